@@ -1,0 +1,99 @@
+"""``polykv-cpp calibrate``: build a PolyKV plan from a Hugging Face checkpoint and write it into a new GGUF.
+
+Heavy imports (torch, transformers, datasets) happen inside the handler, so the rest of the CLI works
+without them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from polykv_cpp.errors import CalibrationError
+
+from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES
+
+
+def _csv(s: str) -> list[str]:
+    return [x.strip().lower() for x in s.split(",") if x.strip()]
+
+
+def _params(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for it in items or []:
+        try:
+            lhs, val = it.split("=", 1)
+            name, key = lhs.split(".", 1)
+        except ValueError:
+            raise CalibrationError(f"--param expects PATTERN.KEY=VALUE (got {it!r})") from None
+        v: Any = val
+        try:
+            v = int(val)
+        except ValueError:
+            pass
+        out.setdefault(name.strip().lower(), {})[key.strip()] = v
+    return out
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from calibration.core import calibrate
+
+    res = calibrate(
+        args.hf, args.gguf, args.out, budget=args.budget, dataset=args.dataset, samples=args.samples, ctx=args.ctx,
+        n_cont=args.n_cont, patterns=_csv(args.patterns), phases=_csv(args.phases), b_min=args.b_min,
+        signal=args.signal, sensitivity=args.sensitivity, budget_rule=args.budget_rule, device=args.device,
+        plan_out=args.plan_out, seed=args.seed, text_field=args.text_field, split=args.split,
+        pattern_params=_params(args.param), fullkv_below=args.fullkv_below,
+        reuse_signals=not args.no_reuse, progress=not args.quiet)
+    plan = res.plan
+    print(plan.summary())
+    if res.out is not None:
+        print(f"wrote {res.out}")
+    if args.plan_out:
+        print(f"wrote {args.plan_out}")
+    print(f"signals: {res.signals_path}{' (reused)' if res.reused_signals else ''}; wall time {res.wall_s:.1f} s")
+    return 0
+
+
+def register_cli(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="build a PolyKV plan from a Hugging Face checkpoint (needs torch + transformers)",
+        description="Run calibration texts through the Hugging Face twin of a GGUF model, measure per-layer "
+                    "pattern-preference and budget-sensitivity signals, build a plan, and write a NEW GGUF = "
+                    "the input + polykv.plan metadata (the input is never modified). See docs/calibration.md.")
+    p.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face checkpoint directory (config.json, "
+                   "weights, ideally the tokenizer) of the same model as --gguf")
+    p.add_argument("--gguf", required=True, metavar="FILE", help="the model GGUF the plan is for")
+    p.add_argument("--out", metavar="FILE", help="output GGUF (input + plan); a new file")
+    p.add_argument("--plan-out", metavar="FILE", help="also write the plan as JSON")
+    p.add_argument("--budget", type=int, default=512, help="average KV tokens per layer (default 512)")
+    p.add_argument("--dataset", default="builtin", help="builtin (offline: Python stdlib sources; default), "
+                   "generated, a local .txt/.json/.jsonl/.parquet file or directory, or a HF dataset name[:config]")
+    p.add_argument("--text-field", default="text", help="text field of json/jsonl/parquet/HF records")
+    p.add_argument("--split", default="train", help="split of a HF dataset (default train)")
+    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help=f"calibration samples (default "
+                   f"{DEFAULT_SAMPLES})")
+    p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"tokens per sample (default {DEFAULT_CTX})")
+    p.add_argument("--n-cont", type=int, default=DEFAULT_N_CONT, help="continuation tokens at the end of each "
+                   f"sample whose queries are scored (default {DEFAULT_N_CONT})")
+    p.add_argument("--patterns", default=",".join(DEFAULT_PATTERNS), help="candidate patterns, comma-separated "
+                   f"(default {','.join(DEFAULT_PATTERNS)}; also pyramidkv, fullkv)")
+    p.add_argument("--param", action="append", metavar="PATTERN.KEY=VALUE",
+                   help="pattern parameter, e.g. snapkv.obs_window=16 (repeatable)")
+    p.add_argument("--phases", default="prefill,decode", help="phases to calibrate (default prefill,decode; a "
+                   "phase left out copies the other's choice)")
+    p.add_argument("--b-min", type=int, default=None, help="minimum budget per layer (default max(budget/4, "
+                   "largest sink+window of the candidates))")
+    p.add_argument("--budget-rule", default="sensitivity", choices=("sensitivity", "uniform", "pyramid"))
+    p.add_argument("--signal", default="cosine", choices=("cosine", "ppl"),
+                   help="pattern preference: cosine of the layer output (default) or perplexity increase (slow)")
+    p.add_argument("--sensitivity", default="entropy", choices=("entropy", "cosine", "ppl"),
+                   help="budget sensitivity signal (default entropy)")
+    p.add_argument("--fullkv-below", type=float, default=0.9, help="with fullkv among --patterns: layers whose "
+                   "best pattern scores below this become FullKV (default 0.9)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-reuse", action="store_true", help="recompute signals even if a signals file matches")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,391 @@
+"""A small high-level API over our libllama, for scripts and desktop apps.
+
+    from polykv_cpp import Model
+    with Model("model.gguf") as model, model.context(n_ctx=4096) as ctx:
+        for piece in ctx.generate("def fib(n):", max_tokens=64, stream=True):
+            print(piece, end="", flush=True)
+
+Native memory is freed by `close()` / the context managers (and, as a fallback, when objects are
+garbage-collected). Every failure of a native call is raised as a `PolyKVError` subclass carrying the
+message llama.cpp logged; bad paths and files that are not GGUF are rejected before they reach llama.cpp.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from polykv_cpp import _native
+from polykv_cpp._native import ffi
+from polykv_cpp.errors import ModelLoadError, NativeError
+
+GGUF_MAGIC = b"GGUF"
+FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
+# ggml_type ids of the KV cache types llama.cpp accepts for -ctk/-ctv
+KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+
+def check_gguf_file(path: str | os.PathLike) -> Path:
+    """Reject what llama.cpp should never see: a missing path, a directory, a file that is not GGUF."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelLoadError(f"model file not found: {p}")
+    if not p.is_file():
+        raise ModelLoadError(f"model path is not a file: {p}")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{p} is not a GGUF file (magic {magic!r}, expected b'GGUF')")
+    return p
+
+
+@dataclass
+class SamplerSettings:
+    """Greedy when temperature <= 0; otherwise top-k -> top-p -> min-p -> temperature -> seeded draw."""
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    seed: int = 0xFFFFFFFF
+
+    def build(self, lib):
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        if self.temperature <= 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            return chain
+        if self.top_k > 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(self.top_k))
+        if 0 < self.top_p < 1:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(self.top_p, 1))
+        if 0 < self.min_p < 1:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(self.min_p, 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(self.temperature))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
+        return chain
+
+
+class Model:
+    """A GGUF model loaded by our libllama."""
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False,
+                 use_mmap: bool = True):
+        self.path = check_gguf_file(path)
+        self._lib = _native.load()
+        params = self._lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.vocab_only = vocab_only
+        if not use_mmap:
+            params.load_mode = 0
+        mark = _native.log_mark()
+        self._ptr = self._lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if self._ptr == ffi.NULL:
+            detail = _native.log_since(mark) or "no detail logged"
+            raise ModelLoadError(f"failed to load model {self.path}: {detail}")
+        self._vocab = self._lib.llama_model_get_vocab(self._ptr)
+
+    # ---- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+            self._lib.llama_model_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def ptr(self):
+        if self._ptr == ffi.NULL:
+            raise NativeError("model is closed")
+        return self._ptr
+
+    # ---- properties -----------------------------------------------------------------------------------
+    @property
+    def n_layer(self) -> int:
+        return self._lib.llama_model_n_layer(self.ptr)
+
+    @property
+    def n_head(self) -> int:
+        return self._lib.llama_model_n_head(self.ptr)
+
+    @property
+    def n_head_kv(self) -> int:
+        return self._lib.llama_model_n_head_kv(self.ptr)
+
+    @property
+    def n_embd(self) -> int:
+        return self._lib.llama_model_n_embd(self.ptr)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return self._lib.llama_model_n_ctx_train(self.ptr)
+
+    @property
+    def n_vocab(self) -> int:
+        return self._lib.llama_vocab_n_tokens(self._vocab)
+
+    @property
+    def n_params(self) -> int:
+        return self._lib.llama_model_n_params(self.ptr)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._lib.llama_model_size(self.ptr)
+
+    @property
+    def description(self) -> str:
+        buf = ffi.new("char[]", 256)
+        self._lib.llama_model_desc(self.ptr, buf, 256)
+        return ffi.string(buf).decode("utf-8", "replace")
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value as llama.cpp renders it (`llama_model_meta_val_str`); None if absent."""
+        size = 256
+        while True:
+            buf = ffi.new("char[]", size)
+            n = self._lib.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return ffi.string(buf, n).decode("utf-8", "replace")
+            size = n + 1
+
+    def metadata(self) -> dict[str, str]:
+        out = {}
+        for i in range(self._lib.llama_model_meta_count(self.ptr)):
+            kbuf = ffi.new("char[]", 256)
+            self._lib.llama_model_meta_key_by_index(self.ptr, i, kbuf, 256)
+            size = self._lib.llama_model_meta_val_str_by_index(self.ptr, i, ffi.NULL, 0) + 1
+            vbuf = ffi.new("char[]", max(size, 1))
+            self._lib.llama_model_meta_val_str_by_index(self.ptr, i, vbuf, size)
+            out[ffi.string(kbuf).decode()] = ffi.string(vbuf).decode("utf-8", "replace")
+        return out
+
+    # ---- vocabulary -----------------------------------------------------------------------------------
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = ffi.new("llama_token[]", cap)
+        n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            if n == -(2**31):
+                raise NativeError("tokenization overflow")
+            cap = -n
+            buf = ffi.new("llama_token[]", cap)
+            n = self._lib.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[0:n])
+
+    def token_to_piece(self, token: int, *, special: bool = False) -> bytes:
+        buf = ffi.new("char[]", 64)
+        n = self._lib.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = self._lib.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+        return ffi.buffer(buf, n)[:]
+
+    def detokenize(self, tokens: Sequence[int], *, remove_special: bool = False,
+                   unparse_special: bool = False) -> str:
+        arr = ffi.new("llama_token[]", list(tokens))
+        cap = max(16, 8 * len(tokens))
+        buf = ffi.new("char[]", cap)
+        n = self._lib.llama_detokenize(self._vocab, arr, len(tokens), buf, cap, remove_special, unparse_special)
+        if n < 0:
+            cap = -n
+            buf = ffi.new("char[]", cap)
+            n = self._lib.llama_detokenize(self._vocab, arr, len(tokens), buf, cap, remove_special, unparse_special)
+        return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
+
+    def context(self, **kwargs) -> Context:
+        return Context(self, **kwargs)
+
+
+class Context:
+    """An inference context (KV cache + compute buffers) over a `Model`."""
+
+    def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
+                 n_threads: int | None = None, flash_attn: str = "auto", type_k: str = "f16",
+                 type_v: str = "f16", n_seq_max: int = 1):
+        self.model = model
+        self._lib = model._lib
+        params = self._lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_seq_max = n_seq_max
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        if flash_attn not in FLASH_ATTN:
+            raise ValueError(f"flash_attn must be one of {sorted(FLASH_ATTN)}, not {flash_attn!r}")
+        params.flash_attn_type = FLASH_ATTN[flash_attn]
+        for name, value in (("type_k", type_k), ("type_v", type_v)):
+            if value not in KV_TYPES:
+                raise ValueError(f"{name} must be one of {sorted(KV_TYPES)}, not {value!r}")
+        params.type_k = KV_TYPES[type_k]
+        params.type_v = KV_TYPES[type_v]
+        params.no_perf = False
+        mark = _native.log_mark()
+        self._ptr = self._lib.llama_init_from_model(model.ptr, params)
+        if self._ptr == ffi.NULL:
+            detail = _native.log_since(mark) or "no detail logged"
+            raise NativeError(f"failed to create a context (n_ctx={n_ctx}): {detail}")
+        self.n_batch = self._lib.llama_n_batch(self._ptr)
+        self._batch = self._lib.llama_batch_init(self.n_batch, 0, 1)
+        self._n_past = 0
+        self._pending: list[int] = []  # last sampled token, decoded lazily with the next input
+
+    # ---- lifetime -------------------------------------------------------------------------------------
+    def close(self) -> None:
+        if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+            self._lib.llama_batch_free(self._batch)
+            self._lib.llama_free(self._ptr)
+            self._ptr = ffi.NULL
+
+    def __enter__(self) -> Context:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        self.close()
+
+    @property
+    def ptr(self):
+        if self._ptr == ffi.NULL:
+            raise NativeError("context is closed")
+        return self._ptr
+
+    @property
+    def n_ctx(self) -> int:
+        return self._lib.llama_n_ctx(self.ptr)
+
+    @property
+    def n_past(self) -> int:
+        """Number of positions of sequence 0 held so far (the next token's position)."""
+        return self._n_past
+
+    # ---- memory -----------------------------------------------------------------------------------------
+    def clear(self) -> None:
+        self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ptr), True)
+        self._n_past = 0
+        self._pending = []
+
+    def seq_rm(self, seq_id: int = 0, p0: int = -1, p1: int = -1) -> bool:
+        ok = bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ptr), seq_id, p0, p1))
+        if ok and seq_id in (0, -1):
+            self._n_past = self.pos_max() + 1
+        return ok
+
+    def pos_max(self, seq_id: int = 0) -> int:
+        return self._lib.llama_memory_seq_pos_max(self._lib.llama_get_memory(self.ptr), seq_id)
+
+    def state_bytes(self) -> bytes:
+        size = self._lib.llama_state_get_size(self.ptr)
+        buf = ffi.new("uint8_t[]", size)
+        n = self._lib.llama_state_get_data(self.ptr, buf, size)
+        return ffi.buffer(buf, n)[:]
+
+    def load_state_bytes(self, data: bytes) -> None:
+        n = self._lib.llama_state_set_data(self.ptr, data, len(data))
+        if n == 0:
+            raise NativeError("failed to restore the context state")
+        self._n_past = self.pos_max() + 1
+
+    # ---- evaluation -------------------------------------------------------------------------------------
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
+        """Append `tokens` to sequence 0, in chunks of n_batch; logits for the last token (or all)."""
+        tokens = self._pending + list(tokens)
+        self._pending = []
+        if not tokens:
+            raise ValueError("decode() needs at least one token")
+        if self._n_past + len(tokens) > self.n_ctx:
+            raise NativeError(f"context is full: {self._n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
+        batch = self._batch
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            last_chunk = start + self.n_batch >= len(tokens)
+            batch.n_tokens = len(chunk)
+            for i, tok in enumerate(chunk):
+                batch.token[i] = tok
+                batch.pos[i] = self._n_past + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = 0
+                batch.logits[i] = 1 if all_logits or (last_chunk and i == len(chunk) - 1) else 0
+            mark = _native.log_mark()
+            rc = self._lib.llama_decode(self.ptr, batch)
+            if rc != 0:
+                detail = _native.log_since(mark) or "no detail logged"
+                raise NativeError(f"llama_decode failed (code {rc}) at position {self._n_past}: {detail}")
+            self._n_past += len(chunk)
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of output `i` of the last decode() (-1: the last token); a copy."""
+        ptr = self._lib.llama_get_logits_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise NativeError(f"no logits for output {i}")
+        n_vocab = self.model.n_vocab
+        return np.frombuffer(ffi.buffer(ptr, 4 * n_vocab), dtype=np.float32).copy()
+
+    def generate_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 128,
+                        sampler: SamplerSettings | None = None, stop_at_eog: bool = True) -> Iterator[int]:
+        """Decode the prompt, then yield up to `max_tokens` sampled token ids."""
+        settings = sampler or SamplerSettings()
+        chain = settings.build(self._lib)
+        try:
+            self.decode(prompt_tokens)
+            for i in range(max_tokens):
+                tok = self._lib.llama_sampler_sample(chain, self.ptr, -1)
+                if stop_at_eog and self.model.is_eog(tok):
+                    return
+                if i + 1 < max_tokens:
+                    self.decode([tok])
+                else:
+                    self._pending = [tok]
+                yield tok
+        finally:
+            self._lib.llama_sampler_free(chain)
+
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = 0xFFFFFFFF,
+                 stream: bool = False, stop_at_eog: bool = True):
+        """Generate a continuation of `prompt` (text or token ids) after the tokens already in the context.
+
+        Returns the text, or with stream=True an iterator of text pieces (UTF-8 safe).
+        """
+        tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        settings = SamplerSettings(temperature, top_k, top_p, min_p, seed)
+        pieces = self._pieces(self.generate_tokens(tokens, max_tokens=max_tokens, sampler=settings,
+                                                   stop_at_eog=stop_at_eog))
+        return pieces if stream else "".join(pieces)
+
+    def _pieces(self, token_iter: Iterator[int]) -> Iterator[str]:
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        for tok in token_iter:
+            text = decoder.decode(self.model.token_to_piece(tok))
+            if text:
+                yield text
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail
+
+    def perf(self) -> dict[str, float]:
+        data = self._lib.llama_perf_context(self.ptr)
+        return {
+            "prompt_ms": data.t_p_eval_ms, "prompt_tokens": data.n_p_eval,
+            "eval_ms": data.t_eval_ms, "eval_tokens": data.n_eval,
+        }

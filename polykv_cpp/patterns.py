@@ -1,0 +1,496 @@
+"""The single registry of KV-cache eviction patterns, with a numpy reference of each selection rule.
+
+This module is the *specification* the native (C++) implementation follows and the scorer calibration uses.
+``docs/patterns.md`` describes the same rules in prose; the two must agree.
+
+Conventions shared by every pattern
+-----------------------------------
+* A layer's cache is a list of ``n_key`` tokens in position order (oldest first). Selection returns the
+  **sorted indices along that key axis** of the tokens to keep. For a fresh prompt the index is the position.
+* ``budget`` is the number of tokens *stored*: sink and window tokens count inside it. When
+  ``n_key <= budget`` everything is kept. ``budget`` must be >= 1.
+* Attention inputs are **probabilities** after softmax with the causal mask,
+  ``attn[..., n_head, n_query, n_key]`` (query heads; a key a query cannot see has probability 0).
+  Keys are ``keys[..., n_head_kv, n_key, head_dim]`` (post-RoPE keys as cached; RoPE is a rotation, so
+  key norms do not depend on it). Leading ``...`` batch dimensions are allowed everywhere (calibration
+  batches layers); they are carried through unchanged.
+* **GQA / one set per layer.** The native cache keeps ONE set of token positions per layer, shared by all KV
+  heads. Every attention-based score is therefore reduced over *all query heads* of the layer, by the
+  arithmetic **mean over query heads of the attention probabilities** (``attn.mean(axis=-3)``), *before*
+  any sum over queries and before pooling. (A sum over heads, as in KVCache-Factory, ranks identically.)
+  The key-norm score is the mean over KV heads of each head's L2 key norm.
+* **Protected tokens** (sinks, recent windows) get score ``+inf``; they are always kept (the pattern clips
+  their number so that it never exceeds the budget).
+* **Ties** are broken by keeping the **more recent** token (the larger key index): selection is a stable
+  ascending sort of the scores and keeps the last ``budget`` entries.
+
+Phases (see :func:`simulate`)
+-----------------------------
+* prefill ("exact mode"): the whole prompt is processed with full attention, then each layer's cache is
+  compressed ONCE, at the end of the prompt, to its prefill budget with its prefill pattern.
+* decode: after each generated token is appended (and attended to), the layer is brought back to
+  ``min(size, decode budget)`` tokens with its decode pattern. Decode-time state: the H2O accumulator and
+  the SnapKV observation ring buffer, defined in :func:`simulate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm",
+    "PATTERNS", "PATTERN_NAMES", "get_pattern", "pattern_from_phase_plan", "keep_topk", "pool1d",
+    "reduce_heads", "simulate", "SimResult", "softmax_causal",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# shared helpers
+# ----------------------------------------------------------------------------------------------------------
+
+def keep_topk(scores: np.ndarray, budget: int) -> np.ndarray:
+    """Indices (sorted ascending, along the last axis) of the ``budget`` highest scores.
+
+    Ties keep the more recent token (larger index): a stable ascending argsort puts, among equal scores, the
+    smaller index first, so the last ``budget`` entries hold the highest scores and, among ties, the larger
+    indices. ``+inf`` marks protected tokens. If ``budget >= n`` every index is returned.
+    """
+    scores = np.asarray(scores)
+    n = scores.shape[-1]
+    if budget < 1:
+        raise ValueError(f"budget must be >= 1, got {budget}")
+    if budget >= n:
+        return np.broadcast_to(np.arange(n), scores.shape).copy()
+    order = np.argsort(scores, axis=-1, kind="stable")
+    kept = order[..., n - budget:]
+    return np.sort(kept, axis=-1)
+
+
+def reduce_heads(attn: np.ndarray) -> np.ndarray:
+    """``[..., n_head, n_query, n_key] -> [..., n_query, n_key]``: mean over query heads."""
+    attn = np.asarray(attn, dtype=np.float64)
+    if attn.ndim < 3:
+        raise ValueError("attention must be [..., n_head, n_query, n_key]")
+    return attn.mean(axis=-3)
+
+
+def pool1d(x: np.ndarray, kernel: int, mode: str = "max") -> np.ndarray:
+    """1-D pooling along the last axis, stride 1, 'same' output length, odd ``kernel``.
+
+    ``max``: maximum over ``x[i-k//2 .. i+k//2]`` clipped to the valid range (torch ``max_pool1d`` with
+    ``padding=k//2``, i.e. padding never wins). ``avg``: sum over the same neighbourhood with zero padding,
+    divided by ``kernel`` (torch ``avg_pool1d`` with ``count_include_pad=True``). ``kernel == 1`` is identity.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"pool_kernel must be a positive odd integer, got {kernel}")
+    if kernel == 1 or x.shape[-1] == 0:
+        return x.copy()
+    r = kernel // 2
+    n = x.shape[-1]
+    pad_val = -np.inf if mode == "max" else 0.0
+    if mode not in ("max", "avg"):
+        raise ValueError(f"pooling must be 'max' or 'avg', got {mode!r}")
+    pad = np.full(x.shape[:-1] + (r,), pad_val)
+    xp = np.concatenate([pad, x, pad], axis=-1)
+    win = np.lib.stride_tricks.sliding_window_view(xp, kernel, axis=-1)[..., :n, :]
+    return win.max(axis=-1) if mode == "max" else win.sum(axis=-1) / kernel
+
+
+def softmax_causal(logits: np.ndarray, q_pos: np.ndarray | None = None,
+                   k_pos: np.ndarray | None = None) -> np.ndarray:
+    """Softmax over the last axis of attention logits ``[..., n_query, n_key]`` with the causal mask
+    ``k_pos <= q_pos`` (positions default to ``arange``, queries aligned to the END of the keys)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    nq, nk = logits.shape[-2:]
+    if k_pos is None:
+        k_pos = np.arange(nk)
+    if q_pos is None:
+        q_pos = np.arange(nk - nq, nk)
+    mask = np.asarray(k_pos)[None, :] <= np.asarray(q_pos)[:, None]
+    z = np.where(mask, logits, -np.inf)
+    m = z.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m)
+    s = e.sum(axis=-1, keepdims=True)
+    return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
+
+
+def _protect(scores: np.ndarray, budget: int, n_sink: int | None, window: int | None) -> np.ndarray:
+    """Set +inf on the last ``w = min(window, budget)`` and the first ``min(n_sink, budget - w)`` keys."""
+    n = scores.shape[-1]
+    w = min(window or 0, budget, n)
+    s = min(n_sink or 0, budget - w, n - w)
+    if w > 0:
+        scores[..., n - w:] = np.inf
+    if s > 0:
+        scores[..., :s] = np.inf
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------------------
+# patterns
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pattern:
+    """Base class. Subclasses define ``scores()``; ``select()`` is ``keep_topk(scores(), budget)``."""
+
+    name: ClassVar[str] = ""
+    needs_attention: ClassVar[bool] = False
+    needs_keys: ClassVar[bool] = False
+    #: which attention rows the rule reads: "none", "all" (every query), "window" (last obs_window), "last"
+    query_rows: ClassVar[str] = "none"
+
+    def scores(self, budget: int, n_key: int, *, attn: np.ndarray | None = None,
+               keys: np.ndarray | None = None, acc: np.ndarray | None = None) -> np.ndarray:
+        raise NotImplementedError
+
+    def select(self, budget: int, *, attn: np.ndarray | None = None, keys: np.ndarray | None = None,
+               acc: np.ndarray | None = None, n_key: int | None = None) -> np.ndarray:
+        """Sorted kept indices along the key axis (shape ``[..., min(budget, n_key)]``)."""
+        if budget < 1:
+            raise ValueError(f"budget must be >= 1, got {budget}")
+        n_key = _infer_n_key(n_key, attn, keys, acc)
+        if self.needs_attention and attn is None and acc is None:
+            raise ValueError(f"pattern {self.name} needs attention probabilities")
+        if self.needs_keys and keys is None:
+            raise ValueError(f"pattern {self.name} needs keys")
+        if n_key <= budget:
+            batch = _batch_shape(attn, keys, acc, self)
+            return np.broadcast_to(np.arange(n_key), batch + (n_key,)).copy()
+        return keep_topk(self.scores(budget, n_key, attn=attn, keys=keys, acc=acc), budget)
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _infer_n_key(n_key, attn, keys, acc) -> int:
+    if n_key is not None:
+        return int(n_key)
+    if attn is not None:
+        return int(np.shape(attn)[-1])
+    if keys is not None:
+        return int(np.shape(keys)[-2])
+    if acc is not None:
+        return int(np.shape(acc)[-1])
+    raise ValueError("cannot infer n_key: pass n_key, attn, keys or acc")
+
+
+def _batch_shape(attn, keys, acc, pat) -> tuple:
+    if acc is not None:
+        return tuple(np.shape(acc)[:-1])
+    if attn is not None:
+        return tuple(np.shape(attn)[:-3])
+    if keys is not None:
+        return tuple(np.shape(keys)[:-3])
+    return ()
+
+
+@dataclass(frozen=True)
+class StreamingLLM(Pattern):
+    """StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks").
+
+    Keep the first ``s = min(n_sink, budget - 1)`` tokens (attention sinks) and the most recent
+    ``budget - s`` tokens. Positional only: needs no attention and no keys, and is the cheapest rule.
+    ``window`` is accepted for symmetry with the plan format and ignored: the recent part is always the
+    rest of the budget. Limits: anything in the middle of the context is lost regardless of relevance.
+    """
+
+    n_sink: int = 4
+    window: int | None = None
+    name: ClassVar[str] = "streamingllm"
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        s = min(self.n_sink, budget - 1)
+        batch = _batch_shape(attn, keys, acc, self)
+        # recency as score: index order; sinks are protected
+        sc = np.broadcast_to(np.arange(n_key, dtype=np.float64), batch + (n_key,)).copy()
+        if s > 0:
+            sc[..., :s] = np.inf
+        return sc
+
+
+@dataclass(frozen=True)
+class H2O(Pattern):
+    """H2O, heavy-hitter oracle (Zhang et al. 2023).
+
+    Score = attention *received*, accumulated: the sum over queries of the head-mean attention probability.
+    Keep the last ``w = min(window, budget)`` tokens and the first ``min(n_sink, budget - w)`` tokens plus
+    the highest scores among the rest (``n_sink`` defaults to 0, as in the paper).
+    Prefill (exact mode): the sum runs over all prompt queries (column sums of the causal attention).
+    Decode: the accumulator ``acc`` (see :func:`simulate`) is passed instead. The paper splits the budget
+    half heavy / half recent; we use a fixed window like KVCache-Factory (set ``window = budget // 2`` for
+    the paper's split). Limits: column sums favour early tokens (they are seen by more queries); scores are
+    query-agnostic.
+    """
+
+    window: int = 32
+    n_sink: int = 0
+    name: ClassVar[str] = "h2o"
+    needs_attention: ClassVar[bool] = True
+    query_rows: ClassVar[str] = "all"
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        if acc is not None:
+            sc = np.array(acc, dtype=np.float64, copy=True)
+        else:
+            sc = reduce_heads(attn).sum(axis=-2)
+        return _protect(sc, budget, self.n_sink, self.window)
+
+
+@dataclass(frozen=True)
+class SnapKV(Pattern):
+    """SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation").
+
+    Observation window = the last ``obs_window`` queries. Score of every key = sum over the window's
+    queries of the head-mean attention probability, then 1-D pooling over positions (``pool_kernel``,
+    ``pooling`` max or avg, see :func:`pool1d`) computed over all keys of the cache (window keys included in
+    the pooling input). Protected: the last ``w = min(max(window or 0, obs_window), budget)`` keys (the
+    window itself; ``window`` as in the plan format, ``reserved = n_sink + max(window, obs_window)``) and the
+    first ``min(n_sink, budget - w)`` keys; the best other keys fill the budget. Decode: the rows are the observation ring buffer of
+    :func:`simulate`. Limits: query-aware by construction (strong when the question ends the prompt, weaker
+    when it comes after compression); heads are reduced before pooling (the paper pools per head).
+    """
+
+    obs_window: int = 32
+    pool_kernel: int = 7
+    pooling: str = "max"
+    window: int | None = 32
+    n_sink: int = 0
+    name: ClassVar[str] = "snapkv"
+    needs_attention: ClassVar[bool] = True
+    query_rows: ClassVar[str] = "window"
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        rows = reduce_heads(attn)
+        rows = rows[..., -self.obs_window:, :] if self.obs_window > 0 else rows[..., :0, :]
+        sc = rows.sum(axis=-2)
+        sc = pool1d(sc, self.pool_kernel, self.pooling)
+        return _protect(sc, budget, self.n_sink, max(self.window or 0, self.obs_window))
+
+
+@dataclass(frozen=True)
+class PyramidKV(SnapKV):
+    """PyramidKV (Cai et al. 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal Information
+    Funneling").
+
+    Token selection is exactly SnapKV's (same parameters). What makes it PyramidKV is the budget rule: the
+    total is spread linearly over depth, more in lower layers (the plan's ``pyramid`` budget rule,
+    KVCache-Factory's ``min = (B - w) / beta``). At equal budget ``pyramidkv`` and ``snapkv`` keep the same
+    tokens. Limits: the pyramid shape is fixed, not measured.
+    """
+
+    beta: int = 20
+    name: ClassVar[str] = "pyramidkv"
+
+
+@dataclass(frozen=True)
+class TOVA(Pattern):
+    """TOVA, token omission via attention (Oren et al. 2024, "Transformers are Multi-State RNNs").
+
+    Score = attention probability from the current LAST query, averaged over heads; keep the ``budget``
+    highest. ``window`` = 1 by default: the newest token (the current query's own key) is always kept
+    (the paper has no window; it keeps the newest token almost always anyway, and the plan format's
+    default is 1); ``n_sink`` = 0. Limits: one query's view, so a token irrelevant to the current step is
+    dropped for good.
+    """
+
+    window: int = 1
+    n_sink: int = 0
+    name: ClassVar[str] = "tova"
+    needs_attention: ClassVar[bool] = True
+    query_rows: ClassVar[str] = "last"
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        return _protect(reduce_heads(attn)[..., -1, :].copy(), budget, self.n_sink, self.window)
+
+
+@dataclass(frozen=True)
+class FullKV(Pattern):
+    """FullKV: keep every token. The budget is ignored; the layer is charged its full size against the
+    total budget (it is not free)."""
+
+    name: ClassVar[str] = "fullkv"
+
+    def select(self, budget, *, attn=None, keys=None, acc=None, n_key=None):
+        n_key = _infer_n_key(n_key, attn, keys, acc)
+        batch = _batch_shape(attn, keys, acc, self)
+        return np.broadcast_to(np.arange(n_key), batch + (n_key,)).copy()
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        batch = _batch_shape(attn, keys, acc, self)
+        return np.full(batch + (n_key,), np.inf)
+
+
+@dataclass(frozen=True)
+class KNorm(Pattern):
+    """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression").
+
+    Keep the ``budget`` keys with the LOWEST L2 norm; a token's norm is the mean over KV heads of
+    ``||k_h||_2``. Score = ``-norm``. Free to compute (no attention needed). ``n_sink`` = 0 and ``window`` = 1
+    (the newest token is kept; the plan format's default) by default. Limits: a heuristic correlation with attention; weak in layers where low-norm
+    keys are not the attended ones (the paper skips the first layers).
+    """
+
+    n_sink: int = 0
+    window: int = 1
+    name: ClassVar[str] = "knorm"
+    needs_keys: ClassVar[bool] = True
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        k = np.asarray(keys, dtype=np.float64)
+        sc = -np.linalg.norm(k, axis=-1).mean(axis=-2)
+        return _protect(sc, budget, self.n_sink, self.window)
+
+
+#: name -> pattern class. Order is the tie-break order when two patterns score the same in calibration.
+PATTERNS: dict[str, type[Pattern]] = {
+    c.name: c for c in (StreamingLLM, H2O, SnapKV, TOVA, PyramidKV, FullKV, KNorm)
+}
+PATTERN_NAMES: tuple[str, ...] = tuple(PATTERNS)
+
+
+def get_pattern(name: str, *, ignore_unknown: bool = False, **params: Any) -> Pattern:
+    """Instantiate a pattern by registry name. ``None`` parameter values mean "the default".
+
+    Unknown parameters raise ``ValueError`` unless ``ignore_unknown`` (used when a plan entry carries
+    parameters of other patterns, e.g. ``obs_window`` for streamingllm).
+    """
+    if name not in PATTERNS:
+        raise ValueError(f"unknown pattern {name!r}; known: {', '.join(PATTERNS)}")
+    cls = PATTERNS[name]
+    fields = {f.name for f in dataclasses.fields(cls)}
+    kw = {}
+    for k, v in params.items():
+        if v is None:
+            continue
+        if k not in fields:
+            if ignore_unknown:
+                continue
+            raise ValueError(f"pattern {name} has no parameter {k!r} (has: {', '.join(sorted(fields))})")
+        kw[k] = v
+    return cls(**kw)
+
+
+def pattern_from_phase_plan(phase: Any) -> Pattern:
+    """Build the pattern of a plan's ``PhasePlan`` (fields ``pattern``, ``n_sink``, ``window``,
+    ``obs_window``, ``pool_kernel``; the ones the pattern does not use are ignored).
+
+    The plan format's ``None`` means "not used", not "default": ``window=None`` -> no recent window (0;
+    StreamingLLM ignores it), ``pool_kernel=None`` -> no pooling (1). ``n_sink`` and ``obs_window`` are taken
+    as given."""
+    name = phase.pattern
+    params: dict[str, Any] = {"n_sink": getattr(phase, "n_sink", 0) or 0,
+                              "obs_window": getattr(phase, "obs_window", None)}
+    w = getattr(phase, "window", None)
+    if name != "streamingllm":
+        params["window"] = 0 if w is None else w
+    pk = getattr(phase, "pool_kernel", None)
+    params["pool_kernel"] = 1 if pk is None else pk
+    return get_pattern(name, ignore_unknown=True, **params)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# prefill-then-decode reference
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class SimResult:
+    """Outcome of :func:`simulate` (positions are absolute token positions)."""
+
+    prefill_kept: np.ndarray                 # positions kept after the prompt's compression
+    decode_kept: list[np.ndarray]            # positions kept after each decode step
+    decode_rows: list[np.ndarray]            # [n_head, n_cand] attention of each decode query (renormalised)
+    decode_cand: list[np.ndarray]            # the positions that decode query attended to
+
+
+def _as_pattern(p: Pattern | str | None) -> Pattern | None:
+    if p is None or isinstance(p, Pattern):
+        return p
+    return get_pattern(p)
+
+
+def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None, prefill_budget: int,
+             decode: Pattern | str | None, decode_budget: int,
+             keys: np.ndarray | None = None) -> SimResult:
+    """Reference of one layer's cache through a prompt of ``n_prompt`` tokens and then
+    ``T - n_prompt`` generated tokens.
+
+    ``logits``: attention logits ``[n_head, T, T]`` (``q.k * scale``) for the full sequence; query ``t`` only
+    ever sees keys ``<= t``; attention of a decode query is the softmax of its logits over the keys it can
+    still see (renormalised over the kept set). ``keys``: ``[n_head_kv, T, head_dim]`` (for ``knorm``).
+
+    1. Prefill (exact mode): full causal attention ``A = softmax_causal(logits[:, :P, :P])``. If ``prefill``
+       is None or ``P <= prefill_budget`` nothing is evicted; otherwise ``prefill.select(prefill_budget,
+       attn=A, keys=keys[:, :P])``.
+    2. Decode state initialised from the prefill (whatever the patterns):
+       * ``acc[k]`` (H2O) = sum over all prompt queries of the head-mean of ``A[:, q, k]``, for kept ``k``;
+       * ring buffer (SnapKV/PyramidKV) = the head-mean rows of the last ``obs_window`` prompt queries,
+         restricted to the kept keys.
+    3. Decode step for token ``t``: the cache becomes ``cand = kept + [t]``; query ``t`` attends over
+       ``cand`` (row ``a_t``, head-mean ``m_t``); then ``acc[cand] += m_t`` (the new token starts at 0 before
+       this add); ``m_t`` is pushed into the ring buffer (older rows get 0 for the new key; the oldest row
+       beyond ``obs_window`` is dropped); if ``len(cand) > decode_budget`` the decode pattern selects
+       ``decode_budget`` of ``cand`` with ``attn = a_t[:, None, :]`` (TOVA), ``acc`` (H2O), the ring buffer
+       (SnapKV), or the keys (K-norm); positional rules need nothing. Evicted tokens leave the accumulator and
+       ring buffer. ``decode=None`` never evicts.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    n_head, T, T2 = logits.shape
+    if T != T2:
+        raise ValueError("logits must be [n_head, T, T]")
+    P = int(n_prompt)
+    if not 1 <= P <= T:
+        raise ValueError("n_prompt must be in [1, T]")
+    pre = _as_pattern(prefill)
+    dec = _as_pattern(decode)
+    if keys is not None:
+        keys = np.asarray(keys, dtype=np.float64)
+
+    A = softmax_causal(logits[:, :P, :P])
+    if pre is None or P <= prefill_budget:
+        kept = np.arange(P)
+    else:
+        kept = pre.select(prefill_budget, attn=A, keys=None if keys is None else keys[:, :P])
+    m_prompt = A.mean(axis=0)                                   # [P, P]
+    acc = m_prompt.sum(axis=0)[kept]
+    w_obs = getattr(dec, "obs_window", 0) if dec is not None else 0
+    ring = m_prompt[P - min(w_obs, P):, :][:, kept] if w_obs > 0 else np.zeros((0, len(kept)))
+
+    res = SimResult(prefill_kept=kept.copy(), decode_kept=[], decode_rows=[], decode_cand=[])
+    for t in range(P, T):
+        cand = np.append(kept, t)
+        row = softmax_causal(logits[:, t:t + 1, cand], q_pos=np.array([t]), k_pos=cand)[:, 0, :]
+        m = row.mean(axis=0)
+        acc = np.append(acc, 0.0) + m
+        if w_obs > 0:
+            ring = np.concatenate([np.concatenate([ring, np.zeros((ring.shape[0], 1))], axis=1), m[None]],
+                                  axis=0)[-w_obs:]
+        res.decode_rows.append(row)
+        res.decode_cand.append(cand)
+        if dec is not None and len(cand) > decode_budget:
+            if dec.query_rows == "window":
+                idx = dec.select(decode_budget, attn=ring[None])
+            elif dec.query_rows == "all":
+                idx = dec.select(decode_budget, acc=acc)
+            elif dec.query_rows == "last":
+                idx = dec.select(decode_budget, attn=row[:, None, :])
+            elif dec.needs_keys:
+                if keys is None:
+                    raise ValueError("knorm needs keys")
+                idx = dec.select(decode_budget, keys=keys[:, cand])
+            else:
+                idx = dec.select(decode_budget, n_key=len(cand))
+            cand = cand[idx]
+            acc = acc[idx]
+            if w_obs > 0:
+                ring = ring[:, idx]
+        kept = cand
+        res.decode_kept.append(kept.copy())
+    return res

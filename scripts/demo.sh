@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Build and install polykv-cpp (our llama.cpp build + Python package), fetch the default model, generate.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/_venv.sh
+echo "[polykv-cpp] building and installing (first build: a few minutes; ccache makes repeats fast)"
+python -m pip install -q --disable-pip-version-check ".[plot]"
+model=$(polykv-cpp models fetch | tail -n 1)
+echo "[polykv-cpp] model: $model"
+polykv-cpp run "$model" -n 64 -p "def quicksort(arr):
+    \"\"\"Sort a list of numbers.\"\"\"
+"

