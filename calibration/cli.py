@@ -39,8 +39,12 @@ def _params(items: list[str] | None) -> dict[str, dict[str, Any]]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from calibration.core import calibrate
 
+    hf = args.hf
+    if hf is None:
+        from calibration.checkpoint import hf_from_gguf
+        hf = hf_from_gguf(args.gguf, log=lambda m: print(m, file=sys.stderr))
     res = calibrate(
-        args.hf, args.gguf, args.out, budget=args.budget, dataset=args.dataset, samples=args.samples, ctx=args.ctx,
+        hf, args.gguf, args.out, budget=args.budget, dataset=args.dataset, samples=args.samples, ctx=args.ctx,
         n_cont=args.n_cont, patterns=_csv(args.patterns), phases=_csv(args.phases), b_min=args.b_min,
         signal=args.signal, sensitivity=args.sensitivity, budget_rule=args.budget_rule, device=args.device,
         plan_out=args.plan_out, seed=args.seed, text_field=args.text_field, split=args.split,
@@ -62,8 +66,9 @@ def register_cli(subparsers: Any) -> None:
         description="Run calibration texts through the Hugging Face twin of a GGUF model, measure per-layer "
                     "pattern-preference and budget-sensitivity signals, build a plan, and write a NEW GGUF = "
                     "the input + polykv.plan metadata (the input is never modified). See docs/calibration.md.")
-    p.add_argument("--hf", required=True, metavar="DIR", help="Hugging Face checkpoint directory (config.json, "
-                   "weights, ideally the tokenizer) of the same model as --gguf")
+    p.add_argument("--hf", metavar="DIR", help="Hugging Face checkpoint directory (config.json, weights, ideally "
+                   "the tokenizer) of the same model as --gguf. Default: transformers converts the GGUF itself "
+                   "(dequantized) into ~/.cache/polykv-cpp/hf/<name>, once")
     p.add_argument("--gguf", required=True, metavar="FILE", help="the model GGUF the plan is for")
     p.add_argument("--out", metavar="FILE", help="output GGUF (input + plan); a new file")
     p.add_argument("--plan-out", metavar="FILE", help="also write the plan as JSON")

@@ -17,7 +17,7 @@ from polykv_cpp import patterns as P
 from polykv_cpp.errors import CalibrationError
 
 DEFAULT_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "knorm")
-DEFAULT_SAMPLES = 4
+DEFAULT_SAMPLES = 8
 DEFAULT_CTX = 2048
 DEFAULT_N_CONT = 128
 SIGNALS_VERSION = 1
@@ -149,7 +149,9 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
               plan_out: str | Path | None = None, seed: int = 0, text_field: str = "text", split: str = "train",
               pattern_params: dict[str, dict[str, Any]] | None = None, n_eval: int = 48,
               fullkv_below: float = 0.9, reuse_signals: bool = True, progress: bool = True,
-              log=None) -> CalibrationResult:
+              encode=None, log=None) -> CalibrationResult:
+    """Calibrate (see docs/calibration.md). ``encode``: optional ``str -> list[int]`` replacing the tokenizer
+    (API only; the identity check then skips the tokenizer fingerprint)."""
     t_start = time.perf_counter()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     timings: dict[str, float] = {}
@@ -208,9 +210,18 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
     from calibration.identity import check_identity, gguf_identity
 
     torch.manual_seed(seed)
+    if not progress:
+        try:
+            from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()
+        except Exception:
+            pass
     config = AutoConfig.from_pretrained(str(hf_dir))
     tcfg = getattr(config, "text_config", None) or config
-    tok, encode, tok_desc = _load_tokenizer(hf_dir, gguf_path, int(tcfg.vocab_size), log)
+    if encode is None:
+        tok, encode, tok_desc = _load_tokenizer(hf_dir, gguf_path, int(tcfg.vocab_size), log)
+    else:
+        tok, tok_desc = None, f"custom:{getattr(encode, '__name__', 'encode')}"
     ident = check_identity(config, gguf_path, tok)
     data = load_calibration_data(dataset, encode, ctx=ctx, n_samples=samples, seed=seed, text_field=text_field,
                                  split=split, tokenizer_desc=tok_desc)
@@ -269,7 +280,8 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
             t_pre += time.perf_counter() - t0
             if "decode" in phases:
                 t0 = time.perf_counter()
-                cos_dec += S.decode_signals(layers, w_o, b_o, scale, scfg)
+                cos_dec += S.decode_signals(layers, w_o, b_o, scale, scfg, progress=progress,
+                                            desc=f"sample {si + 1} decode steps (all layers)")
                 t_dec += time.perf_counter() - t0
             del layers, cap
             if signal == "ppl":
@@ -314,7 +326,8 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
                "signals_file": sig_path.name, "signals_sha256": key[:16], "identity": ident.get("gguf")})
     plan = build_plan(n_layer=n_layer, budget=budget, b_min=b_min, names=list(patterns), pref=pref, sens=sens,
                       rule=budget_rule, patterns=pats, full_charge=ctx, fullkv_below=fullkv_below,
-                      provenance=prov)
+                      provenance=prov, full_score={"prefill": sig["cos_prefill"],
+                                                   "decode": sig.get("cos_decode", sig["cos_prefill"])})
     wall = time.perf_counter() - t_start
     prov.extra["calibration_wall_s"] = round(wall, 1)
     plan.validate(n_layer)

@@ -88,8 +88,9 @@ def choose_patterns(pref: np.ndarray, names: Sequence[str]) -> list[str]:
 def build_plan(*, n_layer: int, budget: int, b_min: int, names: Sequence[str],
                pref: Mapping[str, np.ndarray], sens: Mapping[str, np.ndarray], rule: str,
                patterns: Mapping[str, P.Pattern], full_charge: int, fullkv_below: float = 0.9,
-               provenance: Any = None):
-    """The plan (``polykv_cpp.plan.Plan``). ``pref[phase]``: [L, R] (higher = better); ``sens[phase]``: [L]."""
+               provenance: Any = None, full_score: Mapping[str, np.ndarray] | None = None):
+    """The plan (``polykv_cpp.plan.Plan``). ``pref[phase]``: [L, R] (higher = better); ``sens[phase]``: [L].
+    ``full_score[phase]`` ([L, R] cosine, default ``pref``) is what ``fullkv_below`` is compared with."""
     from polykv_cpp import plan as plan_mod
 
     phases: dict[str, list] = {}
@@ -97,7 +98,8 @@ def build_plan(*, n_layer: int, budget: int, b_min: int, names: Sequence[str],
         pr = np.asarray(pref[ph], dtype=np.float64)
         chosen = choose_patterns(pr, names)
         if "fullkv" in names:
-            best = np.array([pr[l, list(names).index(c)] if c != "fullkv" else 1.0 for l, c in enumerate(chosen)])
+            fs = np.asarray((full_score or pref)[ph], dtype=np.float64)
+            best = np.array([fs[l, list(names).index(c)] if c != "fullkv" else 1.0 for l, c in enumerate(chosen)])
             for l in np.argsort(best, kind="stable"):
                 if best[l] >= fullkv_below:
                     break

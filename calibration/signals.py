@@ -176,7 +176,8 @@ def prefill_layer_signals(lt: LayerTensors, w_o, b_o, scale: float, cfg: SignalC
 
 
 def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequence[Any], scale: float,
-                   cfg: SignalConfig, chunk: int = 64) -> np.ndarray:
+                   cfg: SignalConfig, chunk: int = 64, progress: bool = False, desc: str = "decode steps"
+                   ) -> np.ndarray:
     """cos_decode[L, R] of one sample, all layers at once (see the module docstring)."""
     import torch
 
@@ -217,7 +218,10 @@ def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequ
 
     cos_sum = np.zeros((L, len(pats)))
     n_eval = 0
+    from tqdm.auto import tqdm
+    bar = tqdm(total=T - P0, desc=desc, leave=False, disable=not progress)
     for c0 in range(P0, T, chunk):
+        bar.update(min(T, c0 + chunk) - c0)
         c1 = min(T, c0 + chunk)
         lgc = (torch.einsum("lhtd,lhsd->lhts", q[:, :, c0:c1], kr[:, :, :c1]) * scale)       # [L, H, c, c1]
         mc = torch.arange(c1)[None, :] <= torch.arange(c0, c1)[:, None]
@@ -279,4 +283,5 @@ def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequ
                 st["kept"] = cand
             if t in eval_set:
                 n_eval += 1
+    bar.close()
     return cos_sum / max(1, n_eval)

@@ -196,8 +196,28 @@ void llama_sampler_free(struct llama_sampler * smpl);
 
 struct llama_perf_context_data llama_perf_context(const struct llama_context * ctx);
 
+struct llama_polykv_layer_stats {
+    int32_t  layer;
+    int32_t  group;
+    int32_t  pattern_prefill;
+    int32_t  pattern_decode;
+    int32_t  budget_prefill;
+    int32_t  budget_decode;
+    uint32_t capacity;
+    uint32_t used;
+    uint64_t n_evicted;
+    uint64_t bytes;
+    uint64_t bytes_fullkv;
+};
+
 const char * llama_polykv_version(void);
 const char * llama_polykv_llama_commit(void);
+int32_t llama_polykv_set_model_plan(struct llama_model * model, const char * plan_json, int32_t kv_budget);
+bool    llama_polykv_is_active(const struct llama_context * ctx);
+int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max);
+int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max);
+const char * llama_polykv_pattern_str(int32_t pattern);
+const char * llama_polykv_last_error(void);
 """
 
 LIB_NAMES = {"linux": "libllama.so", "darwin": "libllama.dylib", "win32": "llama.dll"}

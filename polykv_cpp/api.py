@@ -22,12 +22,15 @@ import numpy as np
 
 from polykv_cpp import _native
 from polykv_cpp._native import ffi
-from polykv_cpp.errors import ModelLoadError, NativeError
+from polykv_cpp.errors import ModelLoadError, NativeError, PlanError
 
 GGUF_MAGIC = b"GGUF"
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 # ggml_type ids of the KV cache types llama.cpp accepts for -ctk/-ctv
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+# bytes per element of those types (block size / block bytes)
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                 "q5_0": 22 / 32, "q5_1": 24 / 32}
 
 
 def check_gguf_file(path: str | os.PathLike) -> Path:
@@ -68,6 +71,23 @@ class SamplerSettings:
         lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(self.temperature))
         lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
         return chain
+
+
+@dataclass
+class LayerStats:
+    """One layer's KV cache under a PolyKV plan (`llama_polykv_layer_stats`)."""
+
+    layer: int
+    group: int
+    pattern_prefill: str
+    pattern_decode: str
+    budget_prefill: int  # -1: everything (FullKV)
+    budget_decode: int
+    capacity: int
+    used: int
+    n_evicted: int
+    bytes: int
+    bytes_fullkv: int
 
 
 class Model:
@@ -206,6 +226,43 @@ class Model:
             n = self._lib.llama_detokenize(self._vocab, arr, len(tokens), buf, cap, remove_special, unparse_special)
         return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
 
+    # ---- PolyKV plan ----------------------------------------------------------------------------------
+    def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False) -> None:
+        """Choose the PolyKV plan of contexts created afterwards.
+
+        `plan`: a `polykv_cpp.plan.Plan`, a JSON string, or a path (JSON sidecar or GGUF); None with
+        `use_gguf=False` means no plan (FullKV, stock llama.cpp); `use_gguf=True` uses the plan stored in the
+        model file (the `polykv.plan` key) and fails if there is none. `kv_budget` > 0 rescales the plan to
+        that average number of tokens per layer (b_min and proportions kept).
+        """
+        from polykv_cpp import plan as plan_mod
+
+        if kv_budget < 0:
+            raise PlanError(f"--kv-budget must be positive (got {kv_budget})")
+        if use_gguf:
+            if plan is not None:
+                raise PlanError("give either a plan or use_gguf=True, not both")
+            text = self.meta(plan_mod.GGUF_KEY_PLAN)
+            if not text:
+                raise PlanError(f"{self.path} holds no PolyKV plan (no '{plan_mod.GGUF_KEY_PLAN}' key); "
+                                "make one with `polykv-cpp calibrate` or pass --plan FILE")
+            plan = plan_mod.Plan.from_json(text)
+        elif plan is None:
+            if kv_budget:
+                raise PlanError("--kv-budget rescales a plan: give --plan FILE or --plan-from-gguf too")
+            self._set_native_plan("", 0)
+            return
+        if isinstance(plan, (str, os.PathLike)) and not (isinstance(plan, str) and plan.lstrip().startswith("{")):
+            plan = plan_mod.load(plan)
+        elif isinstance(plan, str):
+            plan = plan_mod.Plan.from_json(plan)
+        plan.validate(n_layer=self.n_layer)
+        self._set_native_plan(plan.to_json(), kv_budget)
+
+    def _set_native_plan(self, text: str, kv_budget: int) -> None:
+        if self._lib.llama_polykv_set_model_plan(self.ptr, text.encode(), kv_budget) != 0:
+            raise PlanError(ffi.string(self._lib.llama_polykv_last_error()).decode())
+
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
 
@@ -237,6 +294,7 @@ class Context:
                 raise ValueError(f"{name} must be one of {sorted(KV_TYPES)}, not {value!r}")
         params.type_k = KV_TYPES[type_k]
         params.type_v = KV_TYPES[type_v]
+        self.type_k, self.type_v = type_k, type_v
         params.no_perf = False
         mark = _native.log_mark()
         self._ptr = self._lib.llama_init_from_model(model.ptr, params)
@@ -382,6 +440,35 @@ class Context:
         tail = decoder.decode(b"", final=True)
         if tail:
             yield tail
+
+    # ---- PolyKV -------------------------------------------------------------------------------------------
+    @property
+    def polykv_active(self) -> bool:
+        return bool(self._lib.llama_polykv_is_active(self.ptr))
+
+    def kv_layer_stats(self) -> list[LayerStats]:
+        """Per-layer KV memory: capacity, used cells, evictions, bytes (empty without a plan)."""
+        n = self._lib.llama_polykv_get_layer_stats(self.ptr, ffi.NULL, 0)
+        if n <= 0:
+            return []
+        buf = ffi.new("struct llama_polykv_layer_stats[]", n)
+        self._lib.llama_polykv_get_layer_stats(self.ptr, buf, n)
+        name = self._lib.llama_polykv_pattern_str
+        return [LayerStats(layer=s.layer, group=s.group,
+                           pattern_prefill=ffi.string(name(s.pattern_prefill)).decode(),
+                           pattern_decode=ffi.string(name(s.pattern_decode)).decode(),
+                           budget_prefill=s.budget_prefill, budget_decode=s.budget_decode, capacity=s.capacity,
+                           used=s.used, n_evicted=s.n_evicted, bytes=s.bytes, bytes_fullkv=s.bytes_fullkv)
+                for s in buf]
+
+    def kept_positions(self, layer: int) -> list[int]:
+        """Positions layer `layer` keeps now, sorted (raises without a plan)."""
+        n = self._lib.llama_polykv_get_kept_positions(self.ptr, layer, ffi.NULL, 0)
+        if n < 0:
+            raise NativeError("no PolyKV plan is active in this context")
+        buf = ffi.new("llama_pos[]", max(n, 1))
+        self._lib.llama_polykv_get_kept_positions(self.ptr, layer, buf, n)
+        return list(buf[0:n])
 
     def perf(self) -> dict[str, float]:
         data = self._lib.llama_perf_context(self.ptr)

@@ -48,10 +48,8 @@ def cmd_run(args) -> int:
     from polykv_cpp import _native
     from polykv_cpp.api import Model
 
-    if args.plan_from_gguf or args.plan or args.kv_budget is not None:
-        raise PolyKVError(
-            "PolyKV plans (--plan-from-gguf, --plan, --kv-budget) are not supported by this build yet: "
-            "the native per-layer cache lands with the native core (issue #3); run without them for FullKV")
+    if args.plan_from_gguf and args.plan:
+        raise PolyKVError("give either --plan FILE or --plan-from-gguf, not both")
     model_path = args.model or args.model_pos
     if not model_path:
         raise PolyKVError("no model: give MODEL or -m MODEL")
@@ -60,6 +58,7 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
+        model.set_plan(args.plan, kv_budget=args.kv_budget or 0, use_gguf=args.plan_from_gguf)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                            type_v=args.cache_type_v) as ctx:
@@ -72,21 +71,39 @@ def cmd_run(args) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            perf = ctx.perf()
-            kv = kv_cache_bytes(model, ctx.n_ctx)
-            print_summary(model, ctx, len(tokens), perf, kv, t_load)
+            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose)
     return 0
 
 
-def print_summary(model, ctx, n_prompt: int, perf: dict, kv_bytes: int, t_load: float) -> None:
+def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool = False) -> None:
     mib = 1024 * 1024
+    perf = ctx.perf()
     lines = [
         f"model: {model.description} ({model.n_layer} layers), loaded in {t_load:.2f} s",
         f"prompt: {n_prompt} tokens, {_rate(perf['prompt_tokens'], perf['prompt_ms'])}",
         f"generation: {perf['eval_tokens']} tokens, {_rate(perf['eval_tokens'], perf['eval_ms'])}",
-        f"KV cache: FullKV (no plan), {ctx.n_ctx} cells x {model.n_layer} layers = {kv_bytes / mib:.1f} MiB, "
-        f"saved 0.0%",
     ]
+    stats = ctx.kv_layer_stats()
+    if not stats:
+        from polykv_cpp.api import KV_TYPE_BYTES
+
+        kv = kv_cache_bytes(model, ctx.n_ctx, KV_TYPE_BYTES[ctx.type_k], KV_TYPE_BYTES[ctx.type_v])
+        lines.append(f"KV cache: FullKV (no plan), {ctx.n_ctx} cells x {model.n_layer} layers = {kv / mib:.1f} MiB, "
+                     f"saved 0.0%")
+    else:
+        used = sum(s.bytes for s in stats)
+        full = sum(s.bytes_fullkv for s in stats)
+        patterns = sorted({s.pattern_prefill for s in stats} | {s.pattern_decode for s in stats})
+        lines.append(f"KV cache: PolyKV plan ({', '.join(patterns)}), {sum(s.capacity for s in stats)} cells in "
+                     f"{len({s.group for s in stats})} groups = {used / mib:.1f} MiB vs FullKV {full / mib:.1f} MiB "
+                     f"at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%")
+        lines.append(f"tokens held per layer now: min {min(s.used for s in stats)}, max {max(s.used for s in stats)}; "
+                     f"evicted so far: {sum(s.n_evicted for s in stats)}")
+        if verbose_layers:
+            for s in stats:
+                lines.append(f"  layer {s.layer:3d}: {s.pattern_prefill}/{s.pattern_decode} budget "
+                             f"{s.budget_prefill}/{s.budget_decode} capacity {s.capacity} used {s.used} "
+                             f"evicted {s.n_evicted} {s.bytes / mib:.2f} MiB")
     print("\n".join(f"[polykv-cpp] {line}" for line in lines), file=sys.stderr)
 
 

@@ -50,18 +50,54 @@ def test_run_with_m_flag_and_prompt_file(cli_exe, tiny_gguf, tmp_path):
     (["run", "{tiny}"], "no prompt"),
     (["run", "{tiny}", "-f", "/nonexistent/prompt.txt"], "prompt file not found"),
     (["run", "{notgguf}", "-p", "x"], "not a GGUF file"),
-    (["run", "{tiny}", "-p", "x", "--plan-from-gguf"], "not supported by this build yet"),
-    (["run", "{tiny}", "-p", "x", "--plan", "plan.json"], "not supported by this build yet"),
-    (["run", "{tiny}", "-p", "x", "--kv-budget", "512"], "not supported by this build yet"),
+    (["run", "{tiny}", "-p", "x", "--plan-from-gguf"], "holds no PolyKV plan"),
+    (["run", "{tiny}", "-p", "x", "--plan", "/nonexistent/plan.json"], "not found"),
+    (["run", "{tiny}", "-p", "x", "--plan", "{badplan}"], "JSON"),
+    (["run", "{tiny}", "-p", "x", "--plan", "{plan5}"], "layer"),
+    (["run", "{tiny}", "-p", "x", "--kv-budget", "512"], "rescales a plan"),
+    (["run", "{tiny}", "-p", "x", "--plan", "{plan2}", "--plan-from-gguf"], "not both"),
 ])
 def test_bad_input_gives_clear_error(cli_exe, tiny_gguf, tmp_path, args, needle):
+    from polykv_cpp.plan import uniform_plan
+
     notgguf = tmp_path / "x.gguf"
     notgguf.write_text("hello")
-    args = [a.format(tiny=tiny_gguf, notgguf=notgguf) for a in args]
+    badplan = tmp_path / "bad.json"
+    badplan.write_text('{"version": 1, "n_layer": ')
+    plan5 = tmp_path / "plan5.json"
+    plan5.write_text(uniform_plan(5, "h2o", 64).to_json())
+    plan2 = tmp_path / "plan2.json"
+    plan2.write_text(uniform_plan(2, "h2o", 64).to_json())
+    args = [a.format(tiny=tiny_gguf, notgguf=notgguf, badplan=badplan, plan5=plan5, plan2=plan2) for a in args]
     proc = run_cli(cli_exe, *args)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
+    from polykv_cpp.plan import uniform_plan, write_gguf
+
+    plan = uniform_plan(2, "streamingllm", 32, n_sink=4)
+    sidecar = tmp_path / "plan.json"
+    sidecar.write_text(plan.to_json())
+    with_plan = tmp_path / "tiny.polykv.gguf"
+    write_gguf(tiny_gguf, with_plan, plan)
+    outs = []
+    for args in (["--plan", sidecar], ["--plan-from-gguf"], ["--plan-from-gguf", "--kv-budget", "16"]):
+        model = with_plan if "--plan-from-gguf" in args else tiny_gguf
+        proc = run_cli(cli_exe, "run", model, "-p", "the cat and the dog " * 20, "-n", "8", "-c", "2048",
+                       "-ub", "128", "--no-echo", "-v", *args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert "KV cache: PolyKV plan (streamingllm)" in proc.stderr
+        assert "saved 87.5%" in proc.stderr  # 256 of 2048 cells per layer
+        outs.append(proc)
+    assert outs[0].stdout == outs[1].stdout
+    assert "budget 32/32" in outs[0].stderr and "budget 16/16" in outs[2].stderr
+    assert "used 32" in outs[0].stderr and "used 16" in outs[2].stderr
+    # without the flag the plan in the file is not used
+    plain = run_cli(cli_exe, "run", with_plan, "-p", "x", "-n", "2", "-c", "256")
+    assert plain.returncode == 0 and "FullKV (no plan)" in plain.stderr
 
 
 def test_truncated_model_is_a_clean_error(cli_exe, tiny_gguf, tmp_path):

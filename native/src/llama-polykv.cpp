@@ -1,6 +1,992 @@
 #include "llama-polykv.h"
 
-#include "llama.h"
+#include "llama-impl.h"
+#include "llama-batch.h"
+#include "llama-cparams.h"
+#include "llama-io.h"
+#include "llama-model.h"
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+using json = nlohmann::json;
+
+//
+// plan
+//
+
+static const char * k_pattern_names[] = {
+    "fullkv", "streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm",
+};
+
+const char * llama_polykv_pattern_name(llama_polykv_pattern p) {
+    return k_pattern_names[p];
+}
+
+static bool pattern_from_name(const std::string & name, llama_polykv_pattern & out) {
+    for (int i = 0; i < (int) (sizeof(k_pattern_names)/sizeof(k_pattern_names[0])); ++i) {
+        if (name == k_pattern_names[i]) {
+            out = (llama_polykv_pattern) i;
+            return true;
+        }
+    }
+    return false;
+}
+
+bool llama_polykv_phase_plan::needs_scores() const {
+    return pattern == LLAMA_POLYKV_H2O || pattern == LLAMA_POLYKV_SNAPKV ||
+           pattern == LLAMA_POLYKV_TOVA || pattern == LLAMA_POLYKV_PYRAMIDKV;
+}
+
+static int32_t get_int(const json & obj, const char * key, int32_t def, const std::string & where) {
+    if (!obj.contains(key) || obj.at(key).is_null()) {
+        return def;
+    }
+    const auto & v = obj.at(key);
+    if (!v.is_number_integer()) {
+        throw std::runtime_error(where + ": '" + key + "' must be an integer");
+    }
+    const int64_t x = v.get<int64_t>();
+    if (x < 0 || x > INT32_MAX) {
+        throw std::runtime_error(where + ": '" + key + "' must be >= 0 (got " + std::to_string(x) + ")");
+    }
+    return (int32_t) x;
+}
+
+bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan, std::string & err) {
+    try {
+        const json doc = json::parse(text);
+        if (!doc.is_object()) {
+            throw std::runtime_error("the plan must be a JSON object");
+        }
+        plan = llama_polykv_plan();
+        plan.version = (uint32_t) get_int(doc, "version", 0, "plan");
+        if (plan.version != 1) {
+            throw std::runtime_error("unsupported plan format version " + std::to_string(plan.version) + " (this build reads version 1)");
+        }
+        plan.n_layer     = get_int(doc, "n_layer", 0, "plan");
+        plan.budget_avg  = get_int(doc, "budget_avg", 0, "plan");
+        plan.b_min       = get_int(doc, "b_min", 1, "plan");
+        plan.full_charge = doc.contains("full_charge") && !doc.at("full_charge").is_null() ? get_int(doc, "full_charge", 0, "plan") : -1;
+        plan.exact_total = doc.value("exact_total", true);
+        if (!doc.contains("layers") || !doc.at("layers").is_array()) {
+            throw std::runtime_error("plan: 'layers' must be a list");
+        }
+        const auto & layers = doc.at("layers");
+        if ((int32_t) layers.size() != plan.n_layer) {
+            throw std::runtime_error("plan: n_layer is " + std::to_string(plan.n_layer) + " but 'layers' has " + std::to_string(layers.size()) + " entries");
+        }
+        plan.layers.resize(plan.n_layer);
+        std::vector<bool> seen(plan.n_layer, false);
+        for (const auto & lj : layers) {
+            const int32_t il = get_int(lj, "layer", -1, "plan layer");
+            if (il < 0 || il >= plan.n_layer || seen[il]) {
+                throw std::runtime_error("plan: bad or repeated layer index " + std::to_string(il));
+            }
+            seen[il] = true;
+            const char * phase_names[2] = { "prefill", "decode" };
+            for (int p = 0; p < 2; ++p) {
+                const std::string where = "layer " + std::to_string(il) + " " + phase_names[p];
+                if (!lj.contains(phase_names[p]) || !lj.at(phase_names[p]).is_object()) {
+                    throw std::runtime_error(where + ": missing");
+                }
+                const auto & pj = lj.at(phase_names[p]);
+                auto & pp = plan.layers[il][p];
+                if (!pj.contains("pattern") || !pj.at("pattern").is_string() ||
+                    !pattern_from_name(pj.at("pattern").get<std::string>(), pp.pattern)) {
+                    throw std::runtime_error(where + ": unknown pattern " + (pj.contains("pattern") ? pj.at("pattern").dump() : std::string("(none)")));
+                }
+                pp.budget = -1;
+                pp.share  = -1.0;
+                if (pp.pattern != LLAMA_POLYKV_FULLKV) {
+                    if (pj.contains("share") && !pj.at("share").is_null()) {
+                        if (!pj.at("share").is_number() || pj.at("share").get<double>() < 0) {
+                            throw std::runtime_error(where + ": share must be a number >= 0");
+                        }
+                        pp.share = pj.at("share").get<double>();
+                    } else {
+                        pp.budget = get_int(pj, "budget", -1, where);
+                        if (pp.budget < 1) {
+                            throw std::runtime_error(where + ": budget must be a positive number of tokens");
+                        }
+                    }
+                }
+                pp.n_sink      = get_int(pj, "n_sink", 0, where);
+                pp.window      = get_int(pj, "window", 0, where);
+                pp.obs_window  = get_int(pj, "obs_window", 32, where);
+                pp.pool_kernel = get_int(pj, "pool_kernel", 1, where);
+                if (pp.pool_kernel < 1 || pp.pool_kernel % 2 == 0) {
+                    throw std::runtime_error(where + ": pool_kernel must be a positive odd number");
+                }
+            }
+        }
+    } catch (const std::exception & e) {
+        err = e.what();
+        return false;
+    }
+    return true;
+}
+
+// split `total` over integer weights in proportion, exactly, by largest remainder (ties: lower index first)
+static std::vector<int64_t> largest_remainder(const std::vector<long double> & w, int64_t total) {
+    const size_t n = w.size();
+    std::vector<int64_t> parts(n, 0);
+    if (n == 0) {
+        return parts;
+    }
+    long double s = 0;
+    for (auto x : w) {
+        s += x;
+    }
+    std::vector<long double> quota(n);
+    for (size_t i = 0; i < n; ++i) {
+        quota[i] = s > 0 ? (long double) total * w[i] / s : (long double) total / n;
+        parts[i] = (int64_t) std::floor(quota[i]);
+    }
+    int64_t left = total - std::accumulate(parts.begin(), parts.end(), (int64_t) 0);
+    std::vector<size_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+        return (quota[a] - parts[a]) > (quota[b] - parts[b]);
+    });
+    for (size_t k = 0; k < n && left > 0; ++k, --left) {
+        parts[order[k]] += 1;
+    }
+    return parts;
+}
+
+bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, std::string & err) {
+    for (int p = 0; p < 2; ++p) {
+        std::vector<int32_t> budgeted;
+        int32_t n_full = 0;
+        bool shares = false;
+        for (int32_t il = 0; il < plan.n_layer; ++il) {
+            const auto & pp = plan.layers[il][p];
+            if (pp.pattern == LLAMA_POLYKV_FULLKV) {
+                n_full++;
+            } else {
+                budgeted.push_back(il);
+                shares |= pp.share >= 0;
+            }
+        }
+        if (budgeted.empty()) {
+            continue;
+        }
+        if (!shares && kv_budget <= 0) {
+            continue; // the plan gives tokens and no rescaling is asked for
+        }
+        const int64_t avg    = kv_budget > 0 ? kv_budget : plan.budget_avg;
+        const int64_t charge = kv_budget > 0 ? (int64_t) n_ctx : (plan.full_charge >= 0 ? plan.full_charge : (int64_t) n_ctx);
+        const int64_t pool   = (int64_t) plan.n_layer * avg - n_full * charge - (int64_t) budgeted.size() * plan.b_min;
+        if (pool < 0) {
+            err = "a KV budget of " + std::to_string(avg) + " tokens per layer cannot fit: " + std::to_string(budgeted.size()) +
+                  " layers need b_min=" + std::to_string(plan.b_min) + " each and " + std::to_string(n_full) +
+                  " FullKV layers are charged " + std::to_string(charge) + " tokens each";
+            return false;
+        }
+        std::vector<long double> w;
+        for (int32_t il : budgeted) {
+            const auto & pp = plan.layers[il][p];
+            w.push_back(pp.share >= 0 ? (long double) pp.share : (long double) std::max(0, pp.budget - plan.b_min));
+        }
+        const auto parts = largest_remainder(w, pool);
+        for (size_t i = 0; i < budgeted.size(); ++i) {
+            plan.layers[budgeted[i]][p].budget = plan.b_min + (int32_t) parts[i];
+            plan.layers[budgeted[i]][p].share  = -1.0;
+        }
+    }
+    return true;
+}
+
+//
+// model-level plan overrides (C API) and plan lookup
+//
+
+struct polykv_override {
+    std::string json;
+    int32_t kv_budget = 0;
+};
+
+static std::mutex g_mutex;
+static std::map<const llama_model *, polykv_override> g_overrides;
+static std::string g_last_error;
+
+static void set_last_error(const std::string & msg) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_last_error = msg;
+}
+
+static std::string model_meta_str(const llama_model & model, const char * key) {
+    std::vector<char> buf(256);
+    int32_t n = llama_model_meta_val_str(&model, key, buf.data(), buf.size());
+    if (n < 0) {
+        return "";
+    }
+    if ((size_t) n >= buf.size()) {
+        buf.resize(n + 1);
+        n = llama_model_meta_val_str(&model, key, buf.data(), buf.size());
+    }
+    return std::string(buf.data(), n);
+}
+
+static bool read_text_file(const std::string & path, std::string & out) {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) {
+        return false;
+    }
+    std::stringstream ss;
+    ss << f.rdbuf();
+    out = ss.str();
+    return true;
+}
+
+// the plan text for a model and where it came from; empty if none applies
+static std::string find_plan(const llama_model & model, int32_t & kv_budget, std::string & source) {
+    kv_budget = 0;
+    if (const char * env = getenv("LLAMA_POLYKV_KV_BUDGET")) {
+        kv_budget = atoi(env);
+    }
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_overrides.find(&model);
+        if (it != g_overrides.end()) {
+            if (it->second.kv_budget > 0) {
+                kv_budget = it->second.kv_budget;
+            }
+            source = "set by llama_polykv_set_model_plan";
+            return it->second.json; // an empty override disables the plan
+        }
+    }
+    if (const char * env = getenv("LLAMA_POLYKV_DISABLE")) {
+        if (atoi(env) != 0) {
+            return "";
+        }
+    }
+    if (const char * path = getenv("LLAMA_POLYKV_PLAN")) {
+        std::string text;
+        if (!read_text_file(path, text)) {
+            throw std::runtime_error(std::string("PolyKV: cannot read the plan file LLAMA_POLYKV_PLAN=") + path);
+        }
+        source = std::string("file ") + path;
+        return text;
+    }
+    std::string text = model_meta_str(model, "polykv.plan");
+    if (!text.empty()) {
+        source = "GGUF key polykv.plan";
+    }
+    return text;
+}
+
+//
+// llama_kv_cache_poly
+//
+
+static uint32_t pad_to(uint32_t x, uint32_t n) {
+    return ((x + n - 1) / n) * n;
+}
+
+static bool same_phase(const llama_polykv_phase_plan & a, const llama_polykv_phase_plan & b) {
+    return a.pattern == b.pattern && a.budget == b.budget && a.n_sink == b.n_sink && a.window == b.window;
+}
+
+llama_kv_cache_poly::llama_kv_cache_poly(
+        const llama_model & model,
+      const llama_hparams & hparams,
+        llama_polykv_plan   plan_in,
+                ggml_type   type_k,
+                ggml_type   type_v,
+                     bool   v_trans,
+                     bool   offload,
+                 uint32_t   n_ctx,
+                 uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx) {
+    const int32_t n_layer = (int32_t) hparams.n_layer();
+    layer_group.assign(n_layer, -1);
+
+    // group layers whose kept set is the same by construction (positional patterns with equal parameters);
+    // every layer with a score-based or key-based pattern gets a group of its own
+    for (int32_t il = 0; il < n_layer; ++il) {
+        if (!hparams.has_kv(il)) {
+            continue;
+        }
+        const auto & lp = plan.layers[il];
+        const bool positional = !lp[0].needs_scores() && !lp[1].needs_scores() &&
+                                lp[0].pattern != LLAMA_POLYKV_KNORM && lp[1].pattern != LLAMA_POLYKV_KNORM;
+        int32_t g_found = -1;
+        if (positional) {
+            for (size_t g = 0; g < groups.size(); ++g) {
+                const auto & grp = groups[g];
+                if (!grp.needs_scores() && !grp.needs(LLAMA_POLYKV_KNORM) &&
+                    same_phase(grp.phase[0], lp[0]) && same_phase(grp.phase[1], lp[1])) {
+                    g_found = (int32_t) g;
+                    break;
+                }
+            }
+        }
+        if (g_found < 0) {
+            groups.emplace_back();
+            groups.back().phase = lp;
+            g_found = (int32_t) groups.size() - 1;
+        }
+        groups[g_found].layers.push_back(il);
+        layer_group[il] = g_found;
+    }
+
+    for (size_t g = 0; g < groups.size(); ++g) {
+        auto & grp = groups[g];
+        uint32_t cap = 0;
+        for (int p = 0; p < 2; ++p) {
+            const auto & pp = grp.phase[p];
+            const uint32_t need = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget + n_ubatch;
+            cap = std::max(cap, need);
+        }
+        // multiples of 256 keep the fast flash-attention kernels usable
+        grp.capacity = std::min(n_ctx, pad_to(cap, 256));
+
+        std::vector<bool> member(n_layer, false);
+        for (int32_t il : grp.layers) {
+            member[il] = true;
+        }
+        const std::string tag = "_pkv" + std::to_string(g);
+        grp.kv = std::make_unique<llama_kv_cache>(
+                model, hparams, type_k, type_v, v_trans, offload, /*unified*/ true, grp.capacity,
+                /*n_seq_max*/ 1, /*n_pad*/ 1, /*n_swa*/ 0, LLAMA_SWA_TYPE_NONE, nullptr,
+                [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
+        grp.acc.assign(grp.capacity, 0.0f);
+        grp.last.assign(grp.capacity, 0.0f);
+        grp.knorm.assign(grp.capacity, 0.0f);
+    }
+}
+
+llama_memory_context_ptr llama_kv_cache_poly::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
+    GGML_UNUSED(embd_all);
+
+    balloc.split_reset();
+
+    std::vector<llama_ubatch> ubatches;
+    while (true) {
+        auto ubatch = balloc.split_simple(n_ubatch);
+        if (ubatch.n_tokens == 0) {
+            break;
+        }
+        ubatches.push_back(std::move(ubatch)); // NOLINT
+    }
+
+    if (ubatches.empty() || balloc.get_n_used() < balloc.get_n_tokens()) {
+        return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+
+    return std::make_unique<llama_kv_cache_poly_context>(this, std::move(ubatches));
+}
+
+llama_memory_context_ptr llama_kv_cache_poly::init_full() {
+    return std::make_unique<llama_kv_cache_poly_context>(this);
+}
+
+llama_memory_context_ptr llama_kv_cache_poly::init_update(llama_context * lctx, bool optimize) {
+    GGML_UNUSED(lctx);
+    GGML_UNUSED(optimize);
+    return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_NO_UPDATE);
+}
+
+bool llama_kv_cache_poly::get_can_shift() const {
+    // evicted layers keep absolute positions; a context shift would re-rotate them inconsistently
+    return false;
+}
+
+void llama_kv_cache_poly::clear(bool data) {
+    for (auto & grp : groups) {
+        grp.kv->clear(data);
+        std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
+        std::fill(grp.last.begin(), grp.last.end(), 0.0f);
+        std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+        grp.ring.clear();
+    }
+}
+
+bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    bool res = true;
+    for (auto & grp : groups) {
+        res = grp.kv->seq_rm(seq_id, p0, p1) && res;
+    }
+    return res;
+}
+
+void llama_kv_cache_poly::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    for (auto & grp : groups) {
+        grp.kv->seq_cp(seq_id_src, seq_id_dst, p0, p1);
+    }
+}
+
+void llama_kv_cache_poly::seq_keep(llama_seq_id seq_id) {
+    for (auto & grp : groups) {
+        grp.kv->seq_keep(seq_id);
+    }
+}
+
+void llama_kv_cache_poly::seq_add(llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    GGML_UNUSED(seq_id); GGML_UNUSED(p0); GGML_UNUSED(p1); GGML_UNUSED(shift);
+    LLAMA_LOG_WARN("%s: PolyKV caches keep absolute positions; position shifts are not supported\n", __func__);
+}
+
+void llama_kv_cache_poly::seq_div(llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    GGML_UNUSED(seq_id); GGML_UNUSED(p0); GGML_UNUSED(p1); GGML_UNUSED(d);
+    LLAMA_LOG_WARN("%s: PolyKV caches keep absolute positions; position division is not supported\n", __func__);
+}
+
+llama_pos llama_kv_cache_poly::seq_pos_min(llama_seq_id seq_id) const {
+    llama_pos res = -1;
+    for (const auto & grp : groups) {
+        const llama_pos p = grp.kv->seq_pos_min(seq_id);
+        if (p >= 0 && (res < 0 || p < res)) {
+            res = p;
+        }
+    }
+    return res;
+}
+
+llama_pos llama_kv_cache_poly::seq_pos_max(llama_seq_id seq_id) const {
+    llama_pos res = -1;
+    for (const auto & grp : groups) {
+        res = std::max(res, grp.kv->seq_pos_max(seq_id));
+    }
+    return res;
+}
+
+std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_poly::memory_breakdown() const {
+    std::map<ggml_backend_buffer_type_t, size_t> mb;
+    for (const auto & grp : groups) {
+        for (const auto & [buft, size] : grp.kv->memory_breakdown()) {
+            mb[buft] += size;
+        }
+    }
+    return mb;
+}
+
+size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
+    size_t total = 0;
+    for (const auto & [buft, size] : groups[g].kv->memory_breakdown()) {
+        total += size;
+    }
+    return total;
+}
+
+static const uint32_t POLYKV_STATE_MAGIC = 0x504b5631; // "PKV1"
+
+// after each group's cells: the score state of every kept token, keyed by position (a restore may place
+// tokens in other cells), so that a restored cache goes on evicting as the saved one would have
+void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    const uint32_t n = groups.size();
+    io.write(&POLYKV_STATE_MAGIC, sizeof(POLYKV_STATE_MAGIC));
+    io.write(&n, sizeof(n));
+    for (const auto & grp : groups) {
+        io.write(&grp.capacity, sizeof(grp.capacity));
+        grp.kv->state_write(io, seq_id, flags);
+
+        const auto & cells = grp.kv->get_cells(0);
+        std::vector<uint32_t> idxs;
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (!cells.is_empty(i)) {
+                idxs.push_back(i);
+            }
+        }
+        const uint32_t n_cells = idxs.size();
+        const uint32_t n_ring  = grp.ring.size();
+        io.write(&n_cells, sizeof(n_cells));
+        io.write(&n_ring,  sizeof(n_ring));
+        for (uint32_t i : idxs) {
+            const llama_pos pos = cells.pos_get(i);
+            io.write(&pos, sizeof(pos));
+            io.write(&grp.acc[i],   sizeof(float));
+            io.write(&grp.last[i],  sizeof(float));
+            io.write(&grp.knorm[i], sizeof(float));
+            for (const auto & row : grp.ring) {
+                io.write(&row[i], sizeof(float));
+            }
+        }
+    }
+}
+
+void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    uint32_t magic = 0;
+    uint32_t n = 0;
+    io.read(&magic, sizeof(magic));
+    io.read(&n, sizeof(n));
+    if (magic != POLYKV_STATE_MAGIC || n != groups.size()) {
+        throw std::runtime_error("PolyKV: the saved state does not come from a context with the same plan");
+    }
+    for (auto & grp : groups) {
+        uint32_t cap = 0;
+        io.read(&cap, sizeof(cap));
+        if (cap != grp.capacity) {
+            throw std::runtime_error("PolyKV: the saved state has different cache sizes (plan, budget or context size changed)");
+        }
+        grp.kv->state_read(io, seq_id, flags);
+
+        std::map<llama_pos, uint32_t> cell_of;
+        const auto & cells = grp.kv->get_cells(0);
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (!cells.is_empty(i)) {
+                cell_of[cells.pos_get(i)] = i;
+            }
+        }
+        uint32_t n_cells = 0;
+        uint32_t n_ring  = 0;
+        io.read(&n_cells, sizeof(n_cells));
+        io.read(&n_ring,  sizeof(n_ring));
+        std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
+        std::fill(grp.last.begin(), grp.last.end(), 0.0f);
+        std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+        grp.ring.assign(n_ring, std::vector<float>(grp.capacity, 0.0f));
+        for (uint32_t k = 0; k < n_cells; ++k) {
+            llama_pos pos = 0;
+            float acc = 0.0f, last = 0.0f, knorm = 0.0f;
+            io.read(&pos, sizeof(pos));
+            io.read(&acc, sizeof(acc));
+            io.read(&last, sizeof(last));
+            io.read(&knorm, sizeof(knorm));
+            std::vector<float> ring_vals(n_ring);
+            for (auto & v : ring_vals) {
+                io.read(&v, sizeof(v));
+            }
+            auto it = cell_of.find(pos);
+            if (it == cell_of.end()) {
+                continue;
+            }
+            const uint32_t c = it->second;
+            grp.acc[c] = acc;
+            grp.last[c] = last;
+            grp.knorm[c] = knorm;
+            for (uint32_t r = 0; r < n_ring; ++r) {
+                grp.ring[r][c] = ring_vals[r];
+            }
+        }
+    }
+}
+
+void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & cells) {
+    auto & grp = groups[g];
+    grp.new_cells = cells;
+    for (uint32_t c : cells) {
+        grp.acc[c]   = 0.0f;
+        grp.last[c]  = 0.0f;
+        grp.knorm[c] = 0.0f;
+        for (auto & row : grp.ring) {
+            row[c] = 0.0f;
+        }
+    }
+}
+
+static int32_t ring_size(const llama_kv_cache_poly::group & grp) {
+    int32_t w = 0;
+    for (int p = 0; p < 2; ++p) {
+        if (grp.phase[p].pattern == LLAMA_POLYKV_SNAPKV || grp.phase[p].pattern == LLAMA_POLYKV_PYRAMIDKV) {
+            w = std::max(w, grp.phase[p].obs_window);
+        }
+    }
+    return w;
+}
+
+void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool decode) {
+    GGML_UNUSED(decode);
+    if (grp.t_rows) {
+        const int64_t n_kv = grp.t_rows->ne[1];
+        const int64_t n_rows = grp.t_rows->ne[2];
+        std::vector<float> rows(n_kv * n_rows);
+        ggml_backend_tensor_get(grp.t_rows, rows.data(), 0, rows.size() * sizeof(float));
+
+        if (grp.needs(LLAMA_POLYKV_H2O)) {
+            for (int64_t r = 0; r < n_rows; ++r) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    grp.acc[j] += rows[r*n_kv + j];
+                }
+            }
+        }
+        if (grp.needs(LLAMA_POLYKV_TOVA)) {
+            std::fill(grp.last.begin(), grp.last.end(), 0.0f);
+            std::copy(rows.begin() + (n_rows - 1)*n_kv, rows.begin() + n_rows*n_kv, grp.last.begin());
+        }
+        const int32_t w = ring_size(grp);
+        if (w > 0) {
+            for (int64_t r = std::max<int64_t>(0, n_rows - w); r < n_rows; ++r) {
+                std::vector<float> row(grp.capacity, 0.0f);
+                std::copy(rows.begin() + r*n_kv, rows.begin() + (r + 1)*n_kv, row.begin());
+                grp.ring.push_back(std::move(row));
+            }
+            while ((int32_t) grp.ring.size() > w) {
+                grp.ring.erase(grp.ring.begin());
+            }
+        }
+    }
+    if (grp.t_knorm) {
+        const int64_t n_head_kv = grp.t_knorm->ne[1];
+        GGML_ASSERT(grp.t_knorm->ne[2] == (int64_t) n_tokens && grp.new_cells.size() == n_tokens);
+        std::vector<float> norms(n_head_kv * n_tokens);
+        ggml_backend_tensor_get(grp.t_knorm, norms.data(), 0, norms.size() * sizeof(float));
+        for (uint32_t t = 0; t < n_tokens; ++t) {
+            double s = 0.0;
+            for (int64_t h = 0; h < n_head_kv; ++h) {
+                s += std::sqrt((double) norms[t*n_head_kv + h]);
+            }
+            grp.knorm[grp.new_cells[t]] = (float) (s / n_head_kv);
+        }
+    }
+    grp.t_rows  = nullptr;
+    grp.t_knorm = nullptr;
+}
+
+// as polykv_cpp.patterns._protect: +inf on the last min(window, budget) and the first min(n_sink, budget - w)
+static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, int32_t window) {
+    const int32_t n = sc.size();
+    const int32_t w = std::min({ window, budget, n });
+    const int32_t s = std::min({ n_sink, budget - w, n - w });
+    for (int32_t i = n - w; i < n; ++i) {
+        sc[i] = INFINITY;
+    }
+    for (int32_t i = 0; i < s; ++i) {
+        sc[i] = INFINITY;
+    }
+}
+
+void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
+    if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
+        return;
+    }
+    const auto & cells = grp.kv->get_cells(0);
+    std::vector<std::pair<llama_pos, uint32_t>> items; // (pos, cell), oldest first
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (!cells.is_empty(i)) {
+            items.emplace_back(cells.pos_get(i), i);
+        }
+    }
+    const int32_t n = items.size();
+    const int32_t b = pp.budget;
+    if (n <= b) {
+        return;
+    }
+    std::sort(items.begin(), items.end());
+
+    std::vector<double> sc(n, 0.0);
+    switch (pp.pattern) {
+        case LLAMA_POLYKV_STREAMINGLLM:
+            {
+                const int32_t s = std::min(pp.n_sink, b - 1);
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = i < s ? INFINITY : (double) i;
+                }
+            } break;
+        case LLAMA_POLYKV_H2O:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.acc[items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_TOVA:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.last[items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_SNAPKV:
+        case LLAMA_POLYKV_PYRAMIDKV:
+            {
+                std::vector<double> raw(n, 0.0);
+                const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
+                for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
+                    for (int32_t i = 0; i < n; ++i) {
+                        raw[i] += grp.ring[r][items[i].second];
+                    }
+                }
+                const int32_t h = pp.pool_kernel / 2;
+                for (int32_t i = 0; i < n; ++i) {
+                    double m = -INFINITY;
+                    for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
+                        m = std::max(m, raw[k]);
+                    }
+                    sc[i] = m;
+                }
+                protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
+            } break;
+        case LLAMA_POLYKV_KNORM:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = -grp.knorm[items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_FULLKV:
+            return;
+    }
+
+    // keep the b highest scores; among ties the more recent token (stable ascending sort, keep the tail)
+    std::vector<int32_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
+    std::vector<llama_pos> drop;
+    for (int32_t k = 0; k < n - b; ++k) {
+        drop.push_back(items[order[k]].first);
+    }
+    for (llama_pos p : drop) {
+        grp.kv->seq_rm(0, p, p + 1);
+    }
+    grp.n_evicted += drop.size();
+}
+
+void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
+    bool any_scores = false;
+    for (const auto & grp : groups) {
+        any_scores |= grp.t_rows != nullptr || grp.t_knorm != nullptr;
+    }
+    if (any_scores) {
+        llama_synchronize(lctx);
+    }
+    const bool decode = ubatch.n_tokens == 1;
+    const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
+    for (auto & grp : groups) {
+        read_scores(grp, ubatch.n_tokens, decode);
+        evict(grp, grp.phase[phase]);
+    }
+}
+
+std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il) const {
+    std::vector<llama_pos> res;
+    if (il < 0 || il >= (int32_t) layer_group.size() || layer_group[il] < 0) {
+        return res;
+    }
+    const auto & cells = groups[layer_group[il]].kv->get_cells(0);
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (!cells.is_empty(i)) {
+            res.push_back(cells.pos_get(i));
+        }
+    }
+    std::sort(res.begin(), res.end());
+    return res;
+}
+
+//
+// llama_kv_cache_poly_context
+//
+
+llama_kv_cache_poly_context::llama_kv_cache_poly_context(llama_memory_status status) : status(status) {}
+
+llama_kv_cache_poly_context::llama_kv_cache_poly_context(llama_kv_cache_poly * kv) : status(LLAMA_MEMORY_STATUS_SUCCESS), kv(kv) {
+    for (uint32_t g = 0; g < kv->n_groups(); ++g) {
+        group_ctxs.push_back(kv->get_group(g).kv->init_full());
+    }
+}
+
+llama_kv_cache_poly_context::llama_kv_cache_poly_context(llama_kv_cache_poly * kv, std::vector<llama_ubatch> ubatches) :
+    status(LLAMA_MEMORY_STATUS_SUCCESS), kv(kv), ubatches(std::move(ubatches)) {
+}
+
+bool llama_kv_cache_poly_context::next() {
+    assert(status == LLAMA_MEMORY_STATUS_SUCCESS);
+    return ++i_cur < ubatches.size();
+}
+
+bool llama_kv_cache_poly_context::apply() {
+    assert(!llama_memory_status_is_fail(status));
+    if (ubatches.empty()) {
+        return true;
+    }
+    // lazy slotting: the cells freed by the eviction after the previous ubatch are reused now
+    const auto & ubatch = ubatches[i_cur];
+    group_ctxs.clear();
+    for (uint32_t g = 0; g < kv->n_groups(); ++g) {
+        auto & grp = kv->get_group(g);
+        auto sinfo = grp.kv->find_slot(ubatch, false);
+        if (sinfo.empty()) {
+            LLAMA_LOG_ERROR("%s: PolyKV group %u (layers %d..%d, %u cells) has no room for %u tokens: the context is full\n",
+                    __func__, g, grp.layers.front(), grp.layers.back(), grp.capacity, ubatch.n_tokens);
+            return false;
+        }
+        auto gctx = std::make_unique<llama_kv_cache_context>(grp.kv.get(), llama_kv_cache::slot_info_vec_t{ sinfo },
+                                                             std::vector<llama_ubatch>{ ubatch });
+        gctx->apply();
+        kv->on_placed(g, sinfo.idxs[0]);
+        group_ctxs.push_back(std::move(gctx));
+    }
+    return true;
+}
+
+llama_memory_status llama_kv_cache_poly_context::get_status() const {
+    return status;
+}
+
+const llama_ubatch & llama_kv_cache_poly_context::get_ubatch() const {
+    assert(status == LLAMA_MEMORY_STATUS_SUCCESS);
+    return ubatches[i_cur];
+}
+
+const llama_kv_cache_context * llama_kv_cache_poly_context::get_group(uint32_t g) const {
+    return static_cast<const llama_kv_cache_context *>(group_ctxs[g].get());
+}
+
+//
+// graph input
+//
+
+llm_graph_input_attn_kv_poly::llm_graph_input_attn_kv_poly(
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        const llama_kv_cache_poly_context * pctx) :
+    llm_graph_input_attn_kv(hparams, cparams, pctx->get_group(0)), pctx(pctx) {
+}
+
+void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
+    for (auto & inp : groups) {
+        inp->set_input(ubatch);
+    }
+}
+
+bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
+    GGML_UNUSED(params);
+    // cell counts change with every eviction
+    return false;
+}
+
+llm_graph_input_attn_kv * llm_graph_input_attn_kv_poly::group_input(int32_t il) const {
+    const int32_t g = pctx->get_poly()->group_of(il);
+    GGML_ASSERT(g >= 0);
+    return groups[g].get();
+}
+
+//
+// hooks
+//
+
+static bool arch_supported(llm_arch arch) {
+    switch (arch) {
+        case LLM_ARCH_LLAMA:
+        case LLM_ARCH_QWEN2:
+        case LLM_ARCH_QWEN3:
+            return true;
+        default:
+            return false;
+    }
+}
+
+llama_memory_i * llama_polykv_create_memory(const llama_model & model, const llama_memory_params & params, const llama_cparams & cparams) {
+    int32_t kv_budget = 0;
+    std::string source;
+    const std::string text = find_plan(model, kv_budget, source);
+    if (text.empty()) {
+        return nullptr;
+    }
+    llama_polykv_plan plan;
+    std::string err;
+    if (!llama_polykv_plan_parse(text, plan, err)) {
+        throw std::runtime_error("PolyKV: invalid plan (" + source + "): " + err);
+    }
+    const auto & hparams = model.hparams;
+    if (plan.n_layer != (int32_t) hparams.n_layer()) {
+        throw std::runtime_error("PolyKV: the plan is for " + std::to_string(plan.n_layer) + " layers but the model has " +
+                                 std::to_string(hparams.n_layer()));
+    }
+    if (!arch_supported(model.arch)) {
+        throw std::runtime_error(std::string("PolyKV: architecture '") + llm_arch_name(model.arch) +
+                                 "' is not supported yet (supported: llama, qwen2, qwen3); run without a plan (LLAMA_POLYKV_DISABLE=1)");
+    }
+    if (hparams.swa_type != LLAMA_SWA_TYPE_NONE || hparams.n_pos_per_embd() != 1) {
+        throw std::runtime_error("PolyKV: sliding-window and multi-position (M-RoPE) models are not supported yet");
+    }
+    if (cparams.n_seq_max > 1) {
+        throw std::runtime_error("PolyKV: a context with a plan serves one sequence (n_seq_max = 1); got n_seq_max = " +
+                                 std::to_string(cparams.n_seq_max));
+    }
+    if (!llama_polykv_plan_resolve(plan, kv_budget, cparams.n_ctx_seq, err)) {
+        throw std::runtime_error("PolyKV: " + err);
+    }
+    auto * mem = new llama_kv_cache_poly(model, hparams, plan, params.type_k, params.type_v, !cparams.flash_attn,
+                                         cparams.offload_kqv, cparams.n_ctx_seq, cparams.n_ubatch);
+    uint64_t cells = 0;
+    uint64_t bytes = 0;
+    for (uint32_t g = 0; g < mem->n_groups(); ++g) {
+        cells += (uint64_t) mem->get_group(g).capacity * mem->get_group(g).layers.size();
+        bytes += mem->group_bytes(g);
+    }
+    const uint64_t full_cells = (uint64_t) cparams.n_ctx_seq * hparams.n_layer();
+    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
+            __func__, source.c_str(), kv_budget > 0 ? (", kv-budget " + std::to_string(kv_budget)).c_str() : "",
+            hparams.n_layer(), mem->n_groups(), cells, full_cells, bytes / 1024.0 / 1024.0, 100.0 * cells / std::max<uint64_t>(full_cells, 1));
+    return mem;
+}
+
+void llama_polykv_build_scores(
+        ggml_context * ctx0,
+         ggml_cgraph * gf,
+        const llm_graph_input_attn_kv_poly * inp,
+        const llama_ubatch & ubatch,
+         ggml_tensor * q,
+         ggml_tensor * k,
+         ggml_tensor * k_cur,
+         ggml_tensor * kq_mask,
+               float   kq_scale,
+             int32_t   il) {
+    GGML_UNUSED(ubatch);
+    auto * poly = inp->pctx->get_poly();
+    auto & grp = poly->get_group(poly->group_of(il));
+    const bool record = inp->pctx->is_batch();
+    const int64_t n_tokens = q->ne[2];
+
+    if (grp.needs(LLAMA_POLYKV_KNORM)) {
+        ggml_tensor * kc = ggml_cont(ctx0, k_cur);                              // [d, n_head_kv, n_tokens]
+        ggml_tensor * sq = ggml_sum_rows(ctx0, ggml_sqr(ctx0, kc));             // [1, n_head_kv, n_tokens]
+        ggml_set_output(sq);
+        ggml_build_forward_expand(gf, sq);
+        grp.t_knorm = record ? sq : nullptr;
+    }
+    if (!grp.needs_scores()) {
+        return;
+    }
+
+    // which query rows the patterns read: all (H2O), the observation window (SnapKV), the last (TOVA)
+    int64_t n_rows = 1;
+    if (grp.needs(LLAMA_POLYKV_H2O)) {
+        n_rows = n_tokens;
+    } else {
+        n_rows = std::max<int64_t>(1, ring_size(grp));
+    }
+    n_rows = std::min(n_rows, n_tokens);
+
+    const int64_t n_head = q->ne[1];
+    ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
+    qs = ggml_permute(ctx0, qs, 0, 2, 1, 3);                                   // [d, n_rows, n_head]
+    ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]
+    ggml_tensor * kq = ggml_mul_mat(ctx0, ks, qs);                              // [n_kv, n_rows, n_head]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    ggml_tensor * m = ggml_view_2d(ctx0, kq_mask, kq_mask->ne[0], n_rows, kq_mask->nb[1], (n_tokens - n_rows)*kq_mask->nb[1]);
+    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, m, kq_scale, 0.0f);           // [n_kv, n_rows, n_head]
+    p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 2, 0, 3));                     // [n_head, n_kv, n_rows]
+    p = ggml_sum_rows(ctx0, p);                                                 // [1, n_kv, n_rows]
+    p = ggml_scale(ctx0, p, 1.0f/n_head);                                       // mean over query heads
+    ggml_set_output(p);
+    ggml_build_forward_expand(gf, p);
+    grp.t_rows = record ? p : nullptr;
+}
+
+void llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch) {
+    auto * poly = dynamic_cast<llama_kv_cache_poly *>(mem);
+    if (poly) {
+        poly->after_ubatch(lctx, ubatch);
+    }
+}
+
+//
+// public C API
+//
 
 const char * llama_polykv_version(void) {
     return LLAMA_POLYKV_VERSION;
@@ -8,4 +994,100 @@ const char * llama_polykv_version(void) {
 
 const char * llama_polykv_llama_commit(void) {
     return LLAMA_POLYKV_LLAMA_COMMIT;
+}
+
+const char * llama_polykv_last_error(void) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    return g_last_error.c_str();
+}
+
+int32_t llama_polykv_set_model_plan(struct llama_model * model, const char * plan_json, int32_t kv_budget) {
+    if (!model) {
+        set_last_error("model is NULL");
+        return -1;
+    }
+    if (plan_json == nullptr) {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        g_overrides.erase(model);
+        return 0;
+    }
+    if (plan_json[0] != '\0') {
+        llama_polykv_plan plan;
+        std::string err;
+        if (!llama_polykv_plan_parse(plan_json, plan, err)) {
+            set_last_error("invalid plan: " + err);
+            return -1;
+        }
+        if (plan.n_layer != (int32_t) model->hparams.n_layer()) {
+            set_last_error("the plan is for " + std::to_string(plan.n_layer) + " layers but the model has " +
+                           std::to_string(model->hparams.n_layer()));
+            return -1;
+        }
+    }
+    if (kv_budget < 0) {
+        set_last_error("kv_budget must be >= 0");
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_overrides[model] = { plan_json, kv_budget };
+    return 0;
+}
+
+static llama_kv_cache_poly * get_poly(const struct llama_context * ctx) {
+    return ctx ? dynamic_cast<llama_kv_cache_poly *>(llama_get_memory(ctx)) : nullptr;
+}
+
+bool llama_polykv_is_active(const struct llama_context * ctx) {
+    return get_poly(ctx) != nullptr;
+}
+
+int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max) {
+    auto * poly = get_poly(ctx);
+    if (!poly) {
+        return 0;
+    }
+    int32_t n = 0;
+    const int32_t n_layer = poly->get_plan().n_layer;
+    for (int32_t il = 0; il < n_layer; ++il) {
+        const int32_t g = poly->group_of(il);
+        if (g < 0) {
+            continue;
+        }
+        if (n < n_max && out) {
+            const auto & grp = poly->get_group(g);
+            auto & s = out[n];
+            s.layer           = il;
+            s.group           = g;
+            s.pattern_prefill = grp.phase[0].pattern;
+            s.pattern_decode  = grp.phase[1].pattern;
+            s.budget_prefill  = grp.phase[0].pattern == LLAMA_POLYKV_FULLKV ? -1 : grp.phase[0].budget;
+            s.budget_decode   = grp.phase[1].pattern == LLAMA_POLYKV_FULLKV ? -1 : grp.phase[1].budget;
+            s.capacity        = grp.capacity;
+            s.used            = (uint32_t) poly->kept_positions(il).size();
+            s.n_evicted       = grp.n_evicted;
+            s.bytes           = poly->group_bytes(g) / grp.layers.size();
+            s.bytes_fullkv    = (uint64_t) ((double) s.bytes / grp.capacity * poly->get_n_ctx());
+        }
+        n++;
+    }
+    return n;
+}
+
+int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max) {
+    auto * poly = get_poly(ctx);
+    if (!poly) {
+        return -1;
+    }
+    const auto pos = poly->kept_positions(il);
+    for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
+        out[i] = pos[i];
+    }
+    return (int32_t) pos.size();
+}
+
+const char * llama_polykv_pattern_str(int32_t pattern) {
+    if (pattern < 0 || pattern > LLAMA_POLYKV_KNORM) {
+        return "unknown";
+    }
+    return k_pattern_names[pattern];
 }

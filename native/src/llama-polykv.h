@@ -1,10 +1,257 @@
 #pragma once
 
 // PolyKV (polykv-cpp): per-layer, per-phase KV-cache eviction driven by a stored plan.
-// This header is internal to libllama; the public entry points are the llama_polykv_* functions in llama.h.
+//
+// With a plan, the model's KV memory is a llama_kv_cache_poly: one llama_kv_cache per group of layers, each of
+// its own real size (budget + one ubatch of headroom). After every ubatch the cells of each group are brought
+// back to the group's budget for the current phase by its eviction pattern. Attention scores for the
+// attention-based patterns come from a small score branch in the graph (see llama_polykv_build_scores).
+// docs/design.md and docs/patterns.md describe the behaviour; polykv_cpp/patterns.py is the reference.
+
+#include "llama.h"
+#include "llama-graph.h"
+#include "llama-kv-cache.h"
+#include "llama-memory.h"
+
+#include <array>
+#include <memory>
+#include <string>
+#include <vector>
 
 #define LLAMA_POLYKV_LLAMA_COMMIT "0c1e57098"
 
 #ifndef LLAMA_POLYKV_VERSION
 #define LLAMA_POLYKV_VERSION "dev"
 #endif
+
+struct llama_model;
+struct llama_cparams;
+struct llama_memory_params;
+
+enum llama_polykv_pattern {
+    LLAMA_POLYKV_FULLKV,
+    LLAMA_POLYKV_STREAMINGLLM,
+    LLAMA_POLYKV_H2O,
+    LLAMA_POLYKV_SNAPKV,
+    LLAMA_POLYKV_TOVA,
+    LLAMA_POLYKV_PYRAMIDKV,
+    LLAMA_POLYKV_KNORM,
+};
+
+enum llama_polykv_phase {
+    LLAMA_POLYKV_PHASE_PREFILL = 0,
+    LLAMA_POLYKV_PHASE_DECODE  = 1,
+};
+
+const char * llama_polykv_pattern_name(llama_polykv_pattern p);
+
+// one layer in one phase, with parameters as the reference (polykv_cpp.patterns.pattern_from_phase_plan) reads them
+struct llama_polykv_phase_plan {
+    llama_polykv_pattern pattern = LLAMA_POLYKV_FULLKV;
+
+    int32_t budget      = -1;   // tokens kept; -1: everything (FullKV) or not resolved yet (share)
+    double  share       = -1.0; // share of the pool above b_min, < 0 if the plan gives tokens
+    int32_t n_sink      = 0;
+    int32_t window      = 0;
+    int32_t obs_window  = 32;
+    int32_t pool_kernel = 1;
+
+    bool needs_scores() const;
+};
+
+struct llama_polykv_plan {
+    uint32_t version     = 1;
+    int32_t  n_layer     = 0;
+    int32_t  budget_avg  = 0;
+    int32_t  b_min       = 1;
+    bool     exact_total = true;
+    int32_t  full_charge = -1;
+
+    std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
+};
+
+// parse plan format v1 (docs/plan-format.md); on failure returns false and sets err
+bool llama_polykv_plan_parse(const std::string & json, llama_polykv_plan & plan, std::string & err);
+
+// turn shares into tokens and, if kv_budget > 0, rescale the budgets to that average keeping b_min
+// (largest remainder, as Plan.scaled in polykv_cpp/plan.py); FullKV layers are charged n_ctx
+bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, std::string & err);
+
+//
+// llama_kv_cache_poly
+//
+
+class llama_kv_cache_poly : public llama_memory_i {
+public:
+    struct group {
+        std::unique_ptr<llama_kv_cache> kv;
+
+        std::vector<int32_t> layers;
+        std::array<llama_polykv_phase_plan, 2> phase;
+
+        uint32_t capacity  = 0;
+        uint64_t n_evicted = 0;
+
+        // per-cell score state of attention/key based patterns (groups of one layer)
+        std::vector<float> acc;                // H2O: attention received, accumulated
+        std::vector<float> last;               // TOVA: attention from the last query
+        std::vector<float> knorm;              // K-norm: mean over KV heads of ||k||
+        std::vector<std::vector<float>> ring;  // SnapKV: the last obs_window query rows
+
+        // graph outputs of the last ubatch (valid until the next graph is computed)
+        ggml_tensor * t_rows  = nullptr; // [n_kv, n_rows]: head-mean attention of the last rows queries
+        ggml_tensor * t_knorm = nullptr; // [n_head_kv, n_tokens]: ||k|| of the new tokens per KV head
+        std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
+
+        bool needs_scores() const { return phase[0].needs_scores() || phase[1].needs_scores(); }
+        bool needs(llama_polykv_pattern p) const { return phase[0].pattern == p || phase[1].pattern == p; }
+    };
+
+    llama_kv_cache_poly(
+            const llama_model & model,
+          const llama_hparams & hparams,
+            llama_polykv_plan   plan,
+                    ggml_type   type_k,
+                    ggml_type   type_v,
+                         bool   v_trans,
+                         bool   offload,
+                     uint32_t   n_ctx,
+                     uint32_t   n_ubatch);
+
+    ~llama_kv_cache_poly() = default;
+
+    //
+    // llama_memory_i
+    //
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+
+    bool get_can_shift() const override;
+
+    void clear(bool data) override;
+
+    bool seq_rm  (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id)                                                          override;
+    void seq_add (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1, int d) override;
+
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    //
+    // PolyKV
+    //
+
+    uint32_t n_groups() const { return groups.size(); }
+    int32_t  group_of(int32_t il) const { return layer_group[il]; }
+    group &  get_group(uint32_t g) { return groups[g]; }
+    const group & get_group(uint32_t g) const { return groups[g]; }
+
+    const llama_polykv_plan & get_plan() const { return plan; }
+    uint32_t get_n_ctx() const { return n_ctx; }
+
+    // remember where the tokens of a ubatch went, reset the score state of those cells
+    void on_placed(uint32_t g, const std::vector<uint32_t> & cells);
+
+    // after a ubatch was computed: read the score outputs and evict every group down to its budget
+    void after_ubatch(llama_context * lctx, const llama_ubatch & ubatch);
+
+    // kept positions of a layer (sorted)
+    std::vector<llama_pos> kept_positions(int32_t il) const;
+
+    size_t group_bytes(uint32_t g) const;
+
+private:
+    const llama_model & model;
+    const llama_hparams & hparams;
+
+    llama_polykv_plan plan;
+
+    const uint32_t n_ctx;
+
+    std::vector<group>   groups;
+    std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
+
+    void read_scores(group & grp, uint32_t n_tokens, bool decode);
+    void evict(group & grp, const llama_polykv_phase_plan & pp);
+};
+
+class llama_kv_cache_poly_context : public llama_memory_context_i {
+public:
+    llama_kv_cache_poly_context(llama_memory_status status);
+    llama_kv_cache_poly_context(llama_kv_cache_poly * kv);                                          // full
+    llama_kv_cache_poly_context(llama_kv_cache_poly * kv, std::vector<llama_ubatch> ubatches);      // batch
+
+    bool next()  override;
+    bool apply() override;
+
+    llama_memory_status  get_status() const override;
+    const llama_ubatch & get_ubatch() const override;
+
+    uint32_t n_groups() const { return group_ctxs.size(); }
+    const llama_kv_cache_context * get_group(uint32_t g) const;
+    llama_kv_cache_poly * get_poly() const { return kv; }
+
+    // true while building the graph of a real ubatch (not a worst-case reservation)
+    bool is_batch() const { return !ubatches.empty(); }
+
+private:
+    llama_memory_status status;
+
+    llama_kv_cache_poly * kv = nullptr;
+
+    size_t i_cur = 0;
+    std::vector<llama_ubatch> ubatches;
+
+    std::vector<llama_memory_context_ptr> group_ctxs;
+};
+
+// graph input: one (idxs, mask) input per group, each over the group's own cache
+class llm_graph_input_attn_kv_poly : public llm_graph_input_attn_kv {
+public:
+    llm_graph_input_attn_kv_poly(
+            const llama_hparams & hparams,
+            const llama_cparams & cparams,
+            const llama_kv_cache_poly_context * pctx);
+
+    void set_input(const llama_ubatch * ubatch) override;
+    bool can_reuse(const llm_graph_params & params) override;
+
+    llm_graph_input_attn_kv * group_input(int32_t il) const;
+
+    const llama_kv_cache_poly_context * pctx;
+
+    std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;
+};
+
+//
+// hooks called from llama.cpp files (native/patches)
+//
+
+// llama_model::create_memory: the PolyKV memory if a plan applies to this model/context, else nullptr;
+// throws std::runtime_error for a bad plan or an unsupported model
+llama_memory_i * llama_polykv_create_memory(const llama_model & model, const llama_memory_params & params, const llama_cparams & cparams);
+
+// llm_graph_context::build_attn: the score branch of layer il (no-op for layers without score patterns)
+void llama_polykv_build_scores(
+        ggml_context * ctx0,
+         ggml_cgraph * gf,
+        const llm_graph_input_attn_kv_poly * inp,
+        const llama_ubatch & ubatch,
+         ggml_tensor * q,
+         ggml_tensor * k,
+         ggml_tensor * k_cur,
+         ggml_tensor * kq_mask,
+               float   kq_scale,
+             int32_t   il);
+
+// llama_context::decode, after each computed ubatch
+void llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch);

@@ -1,0 +1,265 @@
+"""The native PolyKV cache against independent references.
+
+* The positions each layer keeps equal the numpy reference (`polykv_cpp.patterns.simulate`) run on attention
+  probabilities that transformers computes on the same weights (a tiny fp32 Qwen2 written by the test).
+* A FullKV plan, or budgets larger than the context, change nothing; per-layer caches really are smaller.
+"""
+
+import numpy as np
+import pytest
+
+from polykv_cpp import plan as plan_mod
+from polykv_cpp.api import Model
+from polykv_cpp.errors import NativeError, PlanError
+from polykv_cpp.patterns import pattern_from_phase_plan, simulate
+from tiny_models import TinyConfig, write_tiny_gguf
+
+torch = pytest.importorskip("torch")
+
+CFG = TinyConfig(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=384)
+P, N = 40, 8          # prompt tokens (one ubatch), teacher-forced decode steps
+B_PREFILL, B_DECODE = 20, 16
+
+PHASE_PARAMS = {
+    "streamingllm": dict(n_sink=2),
+    "h2o": dict(n_sink=1, window=4),
+    "snapkv": dict(n_sink=0, window=2, obs_window=6, pool_kernel=3),
+    "pyramidkv": dict(n_sink=1, window=0, obs_window=4, pool_kernel=5),
+    "tova": dict(window=1),
+    "knorm": dict(window=1),
+}
+
+
+@pytest.fixture(scope="module")
+def twin(tmp_path_factory):
+    """(transformers model, path of its GGUF twin)."""
+    from tiny_models import tiny_hf_qwen2, write_qwen2_gguf_from_hf
+
+    hf = tiny_hf_qwen2(CFG, seed=3)
+    path = write_qwen2_gguf_from_hf(hf, tmp_path_factory.mktemp("twin") / "twin.gguf")
+    return hf, path
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    rng = np.random.default_rng(11)
+    return [int(t) for t in rng.integers(3, CFG.n_vocab, size=P + N)]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(twin, tokens):
+    """Per layer: attention log-probabilities [n_head, T, T] and post-projection keys [n_head_kv, T, d]."""
+    hf, _ = twin
+    hf.config._attn_implementation = "eager"
+    keys = {}
+    hooks = []
+    for il, layer in enumerate(hf.model.layers):
+        def hook(_mod, _inp, out, il=il):
+            keys[il] = out[0].detach().double().numpy().reshape(len(tokens), CFG.n_head_kv, CFG.head_dim)
+        hooks.append(layer.self_attn.k_proj.register_forward_hook(hook))
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), output_attentions=True)
+    for h in hooks:
+        h.remove()
+    ref = {}
+    for il, att in enumerate(out.attentions):
+        probs = att[0].double().numpy()
+        with np.errstate(divide="ignore"):
+            ref[il] = (np.log(probs), keys[il].transpose(1, 0, 2))
+    return ref
+
+
+def one_layer_plan(il: int, pattern: str, n_layer: int = CFG.n_layer) -> plan_mod.Plan:
+    """Layer `il` uses `pattern` in both phases; every other layer is FullKV (so its inputs are exact)."""
+    layers = []
+    for j in range(n_layer):
+        if j == il:
+            pre = plan_mod.PhasePlan(pattern, budget=B_PREFILL, **PHASE_PARAMS[pattern])
+            dec = plan_mod.PhasePlan(pattern, budget=B_DECODE, **PHASE_PARAMS[pattern])
+        else:
+            pre = plan_mod.PhasePlan("fullkv")
+            dec = plan_mod.PhasePlan("fullkv")
+        layers.append(plan_mod.LayerPlan(j, pre, dec))
+    return plan_mod.Plan(version=1, n_layer=n_layer, budget_avg=B_PREFILL, b_min=1, budget_rule="test",
+                         layers=layers, exact_total=False)
+
+
+def run_native(path, plan, tokens, layer, *, flash_attn="on", type_k="f32", type_v="f32"):
+    """Kept positions of `layer` after the prompt and after each teacher-forced decode step, and logits."""
+    with Model(path) as model:
+        model.set_plan(plan)
+        with model.context(n_ctx=256, n_ubatch=512, flash_attn=flash_attn, type_k=type_k, type_v=type_v) as ctx:
+            assert ctx.polykv_active == (plan is not None)
+            ctx.decode(tokens[:P])
+            kept = [ctx.kept_positions(layer) if plan is not None else None]
+            logits = [ctx.logits()]
+            for t in tokens[P:]:
+                ctx.decode([t])
+                kept.append(ctx.kept_positions(layer) if plan is not None else None)
+                logits.append(ctx.logits())
+    return kept, np.array(logits)
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+@pytest.mark.parametrize("pattern", sorted(PHASE_PARAMS))
+@pytest.mark.parametrize("layer", [0, 1])
+def test_kept_positions_equal_reference(twin, tokens, hf_reference, pattern, layer, flash_attn):
+    _, path = twin
+    plan = one_layer_plan(layer, pattern)
+    kept, _ = run_native(path, plan, tokens, layer, flash_attn=flash_attn)
+
+    logp, keys = hf_reference[layer]
+    pp = plan.layers[layer]
+    ref = simulate(logp, P, prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
+                   decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys)
+    assert kept[0] == ref.prefill_kept.tolist(), "after prefill"
+    for step in range(N):
+        assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
+    assert len(kept[-1]) == B_DECODE
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_fullkv_plan_and_oversized_budgets_change_nothing(twin, tokens, flash_attn):
+    _, path = twin
+    _, base = run_native(path, None, tokens, 0, flash_attn=flash_attn)
+    full = plan_mod.uniform_plan(CFG.n_layer, "fullkv", 64)
+    _, with_full = run_native(path, full, tokens, 0, flash_attn=flash_attn)
+    np.testing.assert_allclose(with_full, base, atol=1e-5, rtol=0)
+    big = plan_mod.uniform_plan(CFG.n_layer, "h2o", 100000, window=4)
+    kept, with_big = run_native(path, big, tokens, 1, flash_attn=flash_attn)
+    np.testing.assert_allclose(with_big, base, atol=1e-5, rtol=0)
+    assert kept[-1] == list(range(P + N))
+
+
+def test_eviction_changes_logits_but_stays_finite(twin, tokens):
+    _, path = twin
+    _, base = run_native(path, None, tokens, 0)
+    _, evicted = run_native(path, plan_mod.uniform_plan(CFG.n_layer, "streamingllm", 8, n_sink=2), tokens, 0)
+    assert np.isfinite(evicted).all()
+    assert np.abs(evicted[-1] - base[-1]).max() > 1e-3
+
+
+def test_per_layer_caches_are_really_smaller(tmp_path):
+    cfg = TinyConfig(n_layer=4)
+    path = write_tiny_gguf(tmp_path / "m.gguf", cfg)
+    plan = plan_mod.Plan.from_dict({
+        "version": 1, "n_layer": 4, "budget_avg": 64, "b_min": 1, "budget_rule": "test", "exact_total": False,
+        "layers": [
+            {"layer": 0, "prefill": {"pattern": "fullkv", "budget": "full"}, "decode": {"pattern": "fullkv", "budget": "full"}},
+            {"layer": 1, "prefill": {"pattern": "streamingllm", "budget": 64, "n_sink": 4},
+             "decode": {"pattern": "streamingllm", "budget": 64, "n_sink": 4}},
+            {"layer": 2, "prefill": {"pattern": "streamingllm", "budget": 64, "n_sink": 4},
+             "decode": {"pattern": "streamingllm", "budget": 64, "n_sink": 4}},
+            {"layer": 3, "prefill": {"pattern": "h2o", "budget": 300, "window": 8},
+             "decode": {"pattern": "tova", "budget": 100, "window": 1}},
+        ]})
+    with Model(path) as model:
+        model.set_plan(plan)
+        with model.context(n_ctx=4096, n_ubatch=256, n_batch=256) as ctx:
+            stats = {s.layer: s for s in ctx.kv_layer_stats()}
+            assert stats[0].capacity == 4096 and stats[0].pattern_prefill == "fullkv"
+            # budget + one ubatch of headroom, padded to 256
+            assert stats[1].capacity == 512 and stats[2].capacity == 512 and stats[1].group == stats[2].group
+            assert stats[3].capacity == 768 and stats[3].group not in (stats[0].group, stats[1].group)
+            for s in stats.values():
+                assert s.bytes * 4096 == s.bytes_fullkv * s.capacity
+            assert stats[1].bytes < stats[0].bytes / 7
+            toks = [5 + (i % 300) for i in range(700)]
+            ctx.decode(toks)  # three ubatches through 512-cell caches
+            after = {s.layer: s for s in ctx.kv_layer_stats()}
+            assert after[0].used == 700
+            assert after[1].used == 64 and after[2].used == 64
+            assert ctx.kept_positions(1) == [0, 1, 2, 3] + list(range(700 - 60, 700))
+            assert after[3].used == 300
+            for _ in range(3):
+                ctx.decode([7])
+            assert {s.layer: s.used for s in ctx.kv_layer_stats()} == {0: 703, 1: 64, 2: 64, 3: 100}
+            assert ctx.pos_max() == 702
+
+
+def test_kv_budget_rescales_like_python(tmp_path):
+    cfg = TinyConfig(n_layer=4)
+    path = write_tiny_gguf(tmp_path / "m.gguf", cfg)
+    plan = plan_mod.pyramid_plan(4, 128)
+    with Model(path) as model:
+        model.set_plan(plan, kv_budget=48)
+        with model.context(n_ctx=1024) as ctx:
+            native = [s.budget_prefill for s in ctx.kv_layer_stats()]
+    assert native == plan.scaled(48, full_charge=1024).token_budgets("prefill")
+    assert sum(native) == 4 * 48
+
+
+@pytest.mark.parametrize("plan_text,match", [
+    ('{"version": 1, "n_layer": 3', "JSON"),
+    ('{"version": 1, "n_layer": 5, "budget_avg": 8, "b_min": 1, "budget_rule": "x", "layers": []}', "layer"),
+])
+def test_bad_plans_are_refused_with_a_message(tiny_gguf, plan_text, match):
+    with Model(tiny_gguf) as model:
+        with pytest.raises(PlanError, match=match):
+            model.set_plan(plan_text)
+
+
+def test_native_rejects_what_python_would_not_see(tiny_gguf):
+    """The native parser checks on its own (stock tools read plans without Python)."""
+    with Model(tiny_gguf) as model:
+        bad = plan_mod.uniform_plan(2, "h2o", 16, window=4).to_dict()
+        bad["layers"][1]["decode"]["pattern"] = "nosuchpattern"
+        import json
+        with pytest.raises(PlanError, match="unknown pattern"):
+            model._set_native_plan(json.dumps(bad), 0)
+        bad["layers"][1]["decode"]["pattern"] = "h2o"
+        bad["n_layer"] = 3
+        with pytest.raises(PlanError, match="layers"):
+            model._set_native_plan(json.dumps(bad), 0)
+
+
+def test_budget_that_cannot_fit_fails_at_context_creation(tiny_gguf):
+    plan = plan_mod.Plan.from_dict({
+        "version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 32, "budget_rule": "test", "exact_total": False,
+        "layers": [{"layer": i, "prefill": {"pattern": "h2o", "budget": 64, "window": 4},
+                    "decode": {"pattern": "h2o", "budget": 64, "window": 4}} for i in range(2)]})
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan, kv_budget=16)
+        with pytest.raises(NativeError, match="cannot fit"):
+            model.context(n_ctx=256)
+
+
+def test_multi_sequence_context_is_refused(tiny_gguf):
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan_mod.uniform_plan(2, "streamingllm", 16, n_sink=2))
+        with pytest.raises(NativeError, match="one sequence"):
+            model.context(n_ctx=256, n_seq_max=2)
+
+
+def test_state_roundtrip_of_an_evicted_cache(twin, tokens):
+    _, path = twin
+    with Model(path) as model:
+        model.set_plan(one_layer_plan(1, "h2o"))
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(tokens[:P])
+            state = ctx.state_bytes()
+            kept = ctx.kept_positions(1)
+            ctx.decode(tokens[P:P + 3])
+            after_a = (ctx.kept_positions(1), ctx.logits())
+            ctx.clear()
+            ctx.load_state_bytes(state)
+            assert ctx.kept_positions(1) == kept
+            ctx.decode(tokens[P:P + 3])
+            after_b = (ctx.kept_positions(1), ctx.logits())
+    assert after_a[0] == after_b[0]
+    # a whole-cache restore packs the kept tokens into the first cells: same tokens, other summation order
+    np.testing.assert_allclose(after_a[1], after_b[1], atol=1e-3)
+
+
+def test_plan_roundtrip_through_gguf_and_llama_meta(tiny_gguf, tmp_path):
+    """Plan -> GGUF copy -> read back by Python and by llama_model_meta_val_str through the bindings."""
+    plan = plan_mod.pyramid_plan(2, 64)
+    out = plan_mod.write_gguf(tiny_gguf, tmp_path / "with-plan.gguf", plan)
+    assert plan_mod.read_gguf(out).to_dict() == plan.to_dict()
+    with Model(out) as model:
+        assert model.meta("polykv.version") == "1"
+        assert plan_mod.Plan.from_json(model.meta("polykv.plan")).to_dict() == plan.to_dict()
+        model.set_plan(use_gguf=True)
+        with model.context(n_ctx=256) as ctx:
+            stats = ctx.kv_layer_stats()
+    assert [s.budget_prefill for s in stats] == plan.token_budgets("prefill")
