@@ -350,8 +350,14 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             const uint32_t need = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget + n_ubatch;
             cap = std::max(cap, need);
         }
-        // multiples of 256 keep the fast flash-attention kernels usable
-        grp.capacity = std::min(n_ctx, pad_to(cap, 256));
+        // on GPUs, multiples of 256 keep the fast flash-attention kernels usable; the CPU needs no padding
+        uint32_t pad = 32;
+        for (int32_t il : grp.layers) {
+            if (offload && ggml_backend_dev_type(model.dev_layer(il)) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+                pad = 256;
+            }
+        }
+        grp.capacity = std::min(n_ctx, pad_to(cap, pad));
 
         std::vector<bool> member(n_layer, false);
         for (int32_t il : grp.layers) {

@@ -1,0 +1,85 @@
+"""scripts/bench_kv.py on a tiny model: JSON fields, smaller KV under a plan, markdown table, PNG."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tiny_models import TinyConfig, write_tiny_gguf
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_kv.py"
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_kv", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_bench()
+
+
+@pytest.fixture(scope="module")
+def tiny2(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("bench") / "tiny2.gguf", TinyConfig(n_layer=2), seed=0)
+
+
+def test_bench_tiny(bench, tiny2, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    png = tmp_path / "bench.png"
+    rc = bench.main(["--quick", "--model", str(tiny2), "--depths", "64,128", "--uniform", "streamingllm",
+                     "--kv-budget", "32", "--threads", "1", "--out", str(out), "--png", str(png), "--no-progress"])
+    assert rc == 0
+    assert png.is_file() and png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+
+    report = json.loads(out.read_text())
+    assert report["schema"] == "polykv-bench-kv/1"
+    s = report["settings"]
+    assert s["depths"] == [64, 128] and s["kv_budget"] == 32 and s["ctx"] >= 128 + s["n_gen"]
+    full, plan = report["configs"]
+    assert full["kind"] == "fullkv" and plan["kind"] == "uniform" and plan["pattern"] == "streamingllm"
+    for c in (full, plan):
+        for key in ("n_ctx", "kv_bytes", "kv_bytes_fullkv", "kv_bytes_ratio", "max_layer_capacity",
+                    "full_size_kv_buffer", "peak_rss_bytes", "prefill_len", "prefill_tok_s_at_len", "depths"):
+            assert key in c, key
+        assert [d["depth"] for d in c["depths"]] == [64, 128]
+        for d in c["depths"]:
+            assert d["prefill_tok_s"] > 0 and d["decode_tok_s"] > 0 and d["decode_tok_s_wall"] > 0
+            assert d["n_gen"] == s["n_gen"]
+        assert c["peak_rss_bytes"] > 0
+        assert c["prefill_len"] == 128 and c["prefill_tok_s_at_len"] > 0
+        assert c["kv_bytes_fullkv"] == full["kv_bytes"]  # same n_ctx, same formula
+
+    # FullKV: stock cache, full-size buffers; the plan: real per-layer buffers of budget + one ubatch, padded
+    assert full["polykv_active"] is False and full["full_size_kv_buffer"] is True
+    assert full["max_layer_capacity"] == full["n_ctx"]
+    assert plan["polykv_active"] is True and plan["full_size_kv_buffer"] is False
+    assert plan["kv_bytes"] < full["kv_bytes"]
+    assert plan["max_layer_capacity"] < plan["n_ctx"]
+    assert plan["kv_bytes"] <= plan["kv_bytes_bound"]
+    assert len(plan["layers"]) == 2 and all(x["pattern_decode"] == "streamingllm" for x in plan["layers"])
+    # StreamingLLM keeps its budget: at depth 128 each layer holds 32 cells after decode
+    assert plan["depths"][-1]["kv_used_cells"] == 2 * 32
+    assert plan["depths"][-1]["n_evicted"] > 0
+
+    (r,) = report["ratios"]
+    assert r["depth_hi"] == 128 and r["depth_lo"] == 64
+    for key in ("decode_depth_ratio", "plan_vs_fullkv_decode", "prefill_overhead", "kv_bytes_ratio"):
+        assert set(r[key]) >= {"value", "target", "pass"}, key
+    assert r["kv_bytes_ratio"]["value"] == pytest.approx(plan["kv_bytes"] / full["kv_bytes"])
+    assert r["kv_bytes_ratio"]["value"] < 1
+
+    text = capsys.readouterr().out
+    assert "| config | depth | prefill tok/s | decode tok/s" in text
+    assert "| FullKV | 64 |" in text and "| streamingllm b=32 | 128 |" in text
+    assert "plan / FullKV decode tok/s at depth 128" in text
+
+
+def test_bench_ctx_too_small(bench, tiny2, tmp_path):
+    with pytest.raises(SystemExit, match="too small"):
+        bench.main(["--quick", "--model", str(tiny2), "--ctx", "100", "--out", str(tmp_path / "x.json"),
+                    "--no-progress"])
