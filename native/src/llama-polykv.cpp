@@ -2,6 +2,7 @@
 
 #include "llama-impl.h"
 #include "llama-batch.h"
+#include "llama-context.h"
 #include "llama-cparams.h"
 #include "llama-io.h"
 #include "llama-model.h"
@@ -29,10 +30,6 @@ using json = nlohmann::json;
 static const char * k_pattern_names[] = {
     "fullkv", "streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm",
 };
-
-const char * llama_polykv_pattern_name(llama_polykv_pattern p) {
-    return k_pattern_names[p];
-}
 
 static bool pattern_from_name(const std::string & name, llama_polykv_pattern & out) {
     for (int i = 0; i < (int) (sizeof(k_pattern_names)/sizeof(k_pattern_names[0])); ++i) {
@@ -603,8 +600,7 @@ static int32_t ring_size(const llama_kv_cache_poly::group & grp) {
     return w;
 }
 
-void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool decode) {
-    GGML_UNUSED(decode);
+void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
     if (grp.t_rows) {
         const int64_t n_kv = grp.t_rows->ne[1];
         const int64_t n_rows = grp.t_rows->ne[2];
@@ -756,12 +752,13 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         any_scores |= grp.t_rows != nullptr || grp.t_knorm != nullptr;
     }
     if (any_scores) {
-        llama_synchronize(lctx);
+        // wait for the scores; not llama_synchronize(), which would book the whole batch's timing now
+        ggml_backend_sched_synchronize(lctx->get_sched());
     }
     const bool decode = ubatch.n_tokens == 1;
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     for (auto & grp : groups) {
-        read_scores(grp, ubatch.n_tokens, decode);
+        read_scores(grp, ubatch.n_tokens);
         evict(grp, grp.phase[phase]);
     }
 }
@@ -934,14 +931,12 @@ void llama_polykv_build_scores(
         ggml_context * ctx0,
          ggml_cgraph * gf,
         const llm_graph_input_attn_kv_poly * inp,
-        const llama_ubatch & ubatch,
          ggml_tensor * q,
          ggml_tensor * k,
          ggml_tensor * k_cur,
          ggml_tensor * kq_mask,
                float   kq_scale,
              int32_t   il) {
-    GGML_UNUSED(ubatch);
     auto * poly = inp->pctx->get_poly();
     auto & grp = poly->get_group(poly->group_of(il));
     const bool record = inp->pctx->is_batch();

@@ -43,8 +43,6 @@ enum llama_polykv_phase {
     LLAMA_POLYKV_PHASE_DECODE  = 1,
 };
 
-const char * llama_polykv_pattern_name(llama_polykv_pattern p);
-
 // one layer in one phase, with parameters as the reference (polykv_cpp.patterns.pattern_from_phase_plan) reads them
 struct llama_polykv_phase_plan {
     llama_polykv_pattern pattern = LLAMA_POLYKV_FULLKV;
@@ -180,7 +178,7 @@ private:
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
 
-    void read_scores(group & grp, uint32_t n_tokens, bool decode);
+    void read_scores(group & grp, uint32_t n_tokens);
     void evict(group & grp, const llama_polykv_phase_plan & pp);
 };
 
@@ -245,7 +243,6 @@ void llama_polykv_build_scores(
         ggml_context * ctx0,
          ggml_cgraph * gf,
         const llm_graph_input_attn_kv_poly * inp,
-        const llama_ubatch & ubatch,
          ggml_tensor * q,
          ggml_tensor * k,
          ggml_tensor * k_cur,

@@ -1,0 +1,545 @@
+"""The evaluation suite (polykv_cpp.evaluation): task generators, scorers, reports, the runner end to end on a
+tiny model, and the `eval` sub-command."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_cli
+from polykv_cpp.evaluation import report, scoring
+from polykv_cpp.evaluation import tasks as T
+from polykv_cpp.evaluation.runner import EvalConfig, EvalError, Evaluator, keeps_everything, run_eval
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------------------------------------ tokenizers
+
+
+def char_tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
+    """One token per character (+ BOS 1): exact lengths for the generator tests."""
+    return ([1] if add_special else []) + [ord(c) % 1000 + 10 for c in text]
+
+
+def word_tokenize(text: str, add_special: bool, parse_special: bool) -> list[int]:
+    return ([1] if add_special else []) + [len(w) for w in re.findall(r"\S+|\n", text)]
+
+
+def measure_with(tok):
+    b = T.PromptBuilder(tok, "none")
+    return lambda s: b.count(s) + s.max_new_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_gguf):
+    from polykv_cpp.api import Model
+
+    with Model(tiny_gguf) as m:
+        yield m
+
+
+# -------------------------------------------------------------------------------------- task generators
+
+
+@pytest.mark.parametrize("task", T.RULER_TASKS)
+@pytest.mark.parametrize("length", [2500, 6000])
+def test_answer_is_recoverable_from_the_text(task, length):
+    samples = T.generate_ruler([task], [length], 2, seed=3, measure=measure_with(word_tokenize))
+    assert len(samples) == 2
+    for s in samples:
+        assert T.answer_in_text(s), (task, s.answers)
+        text = s.instruction + s.context
+        for a in s.answers:
+            assert a in text, a
+        assert s.question.strip() and s.metric in scoring.METRICS
+        # an answer never leaks into the question part (it must come from the compressed context)
+        assert not any(a in s.question + s.answer_prefix for a in s.answers), task
+
+
+def test_answer_checker_detects_a_broken_sample():
+    s = T.generate_ruler(["niah_single"], [3000], 1, seed=0, measure=measure_with(word_tokenize))[0]
+    s.context = s.context.replace(s.answers[0], "1234567")
+    assert not T.answer_in_text(s)
+    v = T.generate_ruler(["vt"], [3000], 1, seed=0, measure=measure_with(word_tokenize))[0]
+    v.context = v.context.replace(f"VAR {v.answers[2]} = VAR {v.answers[1]}", "")
+    assert not T.answer_in_text(v)
+    c = T.generate_ruler(["cwe"], [3000], 1, seed=0, measure=measure_with(word_tokenize))[0]
+    c.answers = c.answers[:-1] + ["zzzz"]
+    assert not T.answer_in_text(c)
+
+
+def test_seeds_are_reproducible_and_distinct():
+    gen = lambda seed: T.generate_ruler(list(T.RULER_TASKS), [2000], 2, seed=seed,  # noqa: E731
+                                        measure=measure_with(word_tokenize))
+    a, b, c = gen(7), gen(7), gen(8)
+    assert [s.to_dict() for s in a] == [s.to_dict() for s in b]
+    for x, y in zip(a, c):
+        assert x.context != y.context
+    # samples of one (task, length) differ from each other
+    assert a[0].context != a[1].context and a[0].answers != a[1].answers
+
+
+@pytest.mark.parametrize("length", [7000, 12000])
+def test_lengths_are_as_asked_exact_tokenizer(length):
+    m = measure_with(char_tokenize)
+    for s in T.generate_ruler(list(T.RULER_TASKS), [length], 1, seed=1, measure=m):
+        n = m(s)
+        assert n <= length, (s.task, n)
+        assert n >= 0.93 * length, (s.task, n)  # filled up to one filler unit of the target
+        assert s.meta["n_tokens"] == n
+
+
+def test_lengths_with_the_model_tokenizer(tiny_model):
+    b = T.PromptBuilder(lambda t, a, p: tiny_model.tokenize(t, add_special=a, parse_special=p), "none")
+    measure = lambda s: b.count(s) + s.max_new_tokens  # noqa: E731
+    for s in T.generate_ruler(["niah_single", "vt", "qa", "qa_2hop"], [2000], 1, seed=0, measure=measure):
+        prompt = b.build(s)
+        assert prompt.part1 + prompt.part2 == prompt.tokens
+        assert prompt.n_prompt + s.max_new_tokens <= 2000
+        assert prompt.n_prompt + s.max_new_tokens >= 1800, s.task
+        # the model's own tokenizer sees the same count as the builder
+        assert len(tiny_model.tokenize(s.instruction + s.context, add_special=True)) == len(prompt.part1)
+
+
+@pytest.mark.slow
+def test_lengths_with_the_real_tokenizer(default_model):
+    from polykv_cpp.api import Model
+
+    with Model(default_model, vocab_only=True) as m:
+        chat = T.detect_chat_format(m.meta("tokenizer.chat_template"))
+        assert chat == "chatml-qwen"
+        b = T.PromptBuilder(lambda t, a, p: m.tokenize(t, add_special=a, parse_special=p), chat)
+        measure = lambda s: b.count(s) + s.max_new_tokens  # noqa: E731
+        for s in T.generate_ruler(list(T.RULER_TASKS), [4096, 8192], 1, seed=0, measure=measure):
+            n = b.build(s).n_prompt + s.max_new_tokens
+            assert 0.97 * s.length <= n <= s.length, (s.task, s.length, n)
+            assert T.answer_in_text(s)
+
+
+def test_needles_sit_at_their_depths():
+    for s in T.generate_ruler(["niah_multikey"], [6000], 3, seed=2, measure=measure_with(word_tokenize)):
+        ctx = s.context
+        for key, depth in zip(s.meta["keys"], s.meta["depths"]):
+            pos = ctx.index(f"numbers for {key} is:") / len(ctx)
+            assert abs(pos - depth) < 0.08, (key, pos, depth)
+
+
+def test_haystack_choice_and_unknown_task():
+    a = T.make_ruler_sample("niah_single", 1000, 0, 0, 20, haystack="noise")
+    b = T.make_ruler_sample("niah_single", 1000, 0, 0, 20, haystack="text")
+    assert T.NOISE in a.context and T.NOISE not in b.context
+    assert b.meta["haystack"] in ("text", "noise")
+    with pytest.raises(T.TaskError, match="unknown task"):
+        T.make_ruler_sample("nope", 1000, 0, 0, 5)
+    with pytest.raises(T.TaskError, match="task qa: length 50 is too small"):
+        T.generate_ruler(["qa"], [50], 1, seed=0, measure=measure_with(char_tokenize))
+
+
+def test_prompt_builder_chat_parts_and_truncation():
+    calls = []
+
+    def tok(text, add_special, parse_special):
+        calls.append((text, add_special, parse_special))
+        return char_tokenize(text, add_special, parse_special)
+
+    s = T.Sample(kind="longbench", task="hotpotqa", length=200, index=0, instruction="Read:\n",
+                 context="A" * 100 + "B" * 100, question="\nQ?", answer_prefix=" A:", answers=["x"], metric="qa_f1",
+                 max_new_tokens=10)
+    b = T.PromptBuilder(tok, "chatml")
+    full = b.build(s)
+    fmt = T.CHAT_FORMATS["chatml"]
+    assert len(full.part1) == 1 + len(fmt.user_prefix) + len("Read:\n") + 200
+    assert len(full.part2) == len("\nQ?") + len(fmt.user_suffix) + len(" A:")
+    # template pieces are parsed for special tokens, the texts are not
+    assert (fmt.user_prefix, True, True) in calls and ("Read:\n" + s.context, False, False) in calls
+    cut = b.build(s, max_prompt=150)
+    assert cut.n_prompt == 150 and cut.n_truncated == full.n_prompt - 150
+    kept = cut.part1[1 + len(fmt.user_prefix) + len("Read:\n"):]
+    assert kept[0] == char_tokenize("A", False, False)[0] and kept[-1] == char_tokenize("B", False, False)[0]
+    # no chat wrapping for samples that opt out (LongBench few-shot tasks)
+    s.use_chat = False
+    assert b.build(s).n_prompt == 1 + len("Read:\n") + 200 + len("\nQ?") + len(" A:")
+    assert T.detect_chat_format("{% ... <|im_start|> ... %}") == "chatml"
+    assert T.detect_chat_format(None) == "none"
+
+
+def test_builtin_texts_and_user_texts(tmp_path):
+    srcs = T.builtin_texts()
+    assert srcs and srcs[0].name == "python-docs" and len(srcs[0].text) > 100_000
+    ids = T.text_tokens(srcs[0], 5000, word_tokenize)
+    assert ids is not None and len(ids) == 5000
+    f = tmp_path / "short.txt"
+    f.write_text("only a few words")
+    (u,) = T.user_texts([f])
+    assert T.text_tokens(u, 100, word_tokenize) is None
+    with pytest.raises(T.TaskError, match="not found"):
+        T.user_texts([tmp_path / "missing.txt"])
+
+
+def test_longbench_from_local_files_and_clear_message_otherwise(tmp_path, monkeypatch):
+    rec = {"input": "Who wrote it?", "context": "Passage 1: Ann wrote the book.", "answers": ["Ann"],
+           "all_classes": None, "_id": "x1"}
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps(rec) + "\n")
+    samples, status = T.load_longbench(["hotpotqa", "trec"], 1, data_dir=tmp_path, length=512)
+    assert len(samples) == 1 and samples[0].answers == ["Ann"] and samples[0].metric == "qa_f1"
+    assert samples[0].context == rec["context"] and "Who wrote it?" in samples[0].question
+    assert samples[0].instruction.startswith("Answer the question based on the given passages")
+    assert status["hotpotqa"].endswith("hotpotqa.jsonl")
+    assert status["trec"].startswith("unavailable") and "trec.jsonl" in status["trec"]
+
+    import datasets
+
+    def boom(*a, **k):
+        raise ConnectionError("Couldn't reach the Hugging Face Hub (offline mode is enabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", boom)
+    samples, status = T.load_longbench(["qasper"], 1)
+    assert samples == []
+    assert "not available locally" in status["qasper"] and "--longbench-dir" in status["qasper"]
+
+
+# ---------------------------------------------------------------------------------------------- scorers
+
+
+def test_ruler_string_match():
+    assert scoring.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(2 / 3)
+    assert scoring.string_match_all("ABCDE, fghij", ["abcde", "FGHIJ"]) == 1.0
+    assert scoring.string_match_all("nothing", []) == 0.0
+    assert scoring.string_match_part("It is Paris.", ["London", "paris"]) == 1.0
+    assert scoring.string_match_part("It is Rome.", ["London", "paris"]) == 0.0
+    assert scoring.score("match_all", "<|im_start|> 1234567<|im_end|>", ["1234567"]) == 1.0
+    assert scoring.clean_prediction("  x<|im_end|>\n") == "x"
+
+
+def test_longbench_metrics():
+    assert scoring.qa_f1("The Eiffel Tower", "eiffel tower") == 1.0
+    assert scoring.qa_f1("in Paris France", "Paris") == pytest.approx(2 * (1 / 3) * 1 / (1 / 3 + 1))
+    assert scoring.qa_f1("nope", "Paris") == 0.0
+    assert scoring.rouge_l("a b c d", "a b c d") == 1.0
+    assert scoring.rouge_l("a x b y", "a b") == pytest.approx(2 * 0.5 * 1.0 / 1.5)
+    assert scoring.rouge_l("", "a") == 0.0
+    assert scoring.classification("It is a Location question", "Location",
+                                  all_classes=["Location", "Person", "Number"]) == 1.0
+    assert scoring.classification("Person or Location", "Location",
+                                  all_classes=["Location", "Person"]) == 0.5
+    assert scoring.retrieval("Paragraph 12", "Paragraph 12") == 1.0
+    assert scoring.retrieval("Paragraph 3 or 12", "Paragraph 12") == 0.5
+    assert scoring.count("There are 7 unique", "7") == 1.0
+    assert scoring.count("none", "7") == 0.0
+    assert scoring.code_sim("# comment\nreturn x + 1\n", "return x + 1") == 1.0
+    assert scoring.score("qa_f1", "Ann\nand more", ["Bob", "Ann"], first_line=True) == 1.0
+    with pytest.raises(ValueError, match="unknown metric"):
+        scoring.score("bleu", "a", ["a"])
+
+
+def test_kl_perplexity_and_gap():
+    lp = scoring.log_softmax(np.array([[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]))
+    assert np.allclose(np.exp(lp).sum(axis=-1), 1.0, atol=1e-6)
+    assert np.allclose(scoring.kl_divergence(lp, lp), 0.0, atol=1e-7)
+    p, q = np.log(np.array([[0.5, 0.5]])), np.log(np.array([[0.9, 0.1]]))
+    assert scoring.kl_divergence(p, q)[0] == pytest.approx(0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1))
+    assert scoring.perplexity([math.log(4.0)] * 3) == pytest.approx(4.0)
+    # gap recovered: (plan - best) / (full - best)
+    assert scoring.gap_recovered(37.79, 36.35, 38.99) == pytest.approx((37.79 - 36.35) / (38.99 - 36.35))
+    assert scoring.gap_recovered(30.0, 36.0, 40.0) == pytest.approx(-1.5)
+    assert scoring.gap_recovered(0.05, 0.10, 0.0, higher_is_better=False) == pytest.approx(0.5)
+    assert scoring.gap_recovered(50.0, 40.0, 40.0) is None  # no gap
+    assert scoring.gap_recovered(50.0, 45.0, 40.0) is None  # FullKV worse than the baseline
+    assert scoring.gap_recovered(None, 1.0, 2.0) is None
+    assert scoring.best_baseline({"h2o": 3.0, "snapkv": 5.0, "polykv": 9.0}, ["h2o", "snapkv"]) == ("snapkv", 5.0)
+    assert scoring.best_baseline({"h2o": 3.0, "snapkv": 5.0}, ["h2o", "snapkv"], False) == ("h2o", 3.0)
+
+
+def _rec(task, method, budget, score, protocol="query-aware", length=100):
+    return {"kind": "ruler", "task": task, "length": length, "index": 0, "protocol": protocol, "method": method,
+            "budget": budget, "score": score}
+
+
+def test_summary_and_markdown_from_records():
+    recs = [_rec("a", "fullkv", None, 1.0), _rec("b", "fullkv", None, 0.8),
+            _rec("a", "snapkv", 64, 0.6), _rec("b", "snapkv", 64, 0.4),
+            _rec("a", "h2o", 64, 0.2), _rec("b", "h2o", 64, 0.2),
+            _rec("a", "polykv", 64, 0.8), _rec("b", "polykv", 64, 0.5)]
+    data = {"records": recs, "methods": ["fullkv", "h2o", "snapkv", "polykv"], "plans": {"polykv": {}},
+            "config": {"lengths": [100]}, "protocols": {"query-aware": "q in prompt"}}
+    summ = report.summarize(data)
+    cell = summ["ruler"]["query-aware"]["100"]
+    assert cell["fullkv"]["full"]["avg"] == pytest.approx(90.0)
+    assert cell["snapkv"]["64"]["tasks"] == {"a": pytest.approx(60.0), "b": pytest.approx(40.0)}
+    g = summ["gap_recovered"]["ruler"]["query-aware"]["100"]["polykv"]["64"]
+    assert g["best"] == "snapkv" and g["value"] == pytest.approx((65 - 50) / (90 - 50))
+    data["summary"] = summ
+    md = report.to_markdown(data)
+    assert "protocol: query-aware" in md and "gap recovered by polykv" in md and "38% (vs snapkv)" in md
+
+
+# ------------------------------------------------------------------------------------------- end to end
+
+TINY_BASE = dict(lengths=[600], budgets=[48, 1024], n_samples=1, tasks=["niah_single", "vt", "qa"],
+                 ppl_tokens=8, n_ppl_texts=1, n_ubatch=64, n_threads=1, progress=False)
+
+
+def _mixed_plan(tmp_path: Path) -> Path:
+    """A hand-made 'calibrated' plan for the 2-layer tiny model: snapkv then h2o/tova, unequal budgets."""
+    from polykv_cpp.plan import Plan
+
+    plan = {"version": 1, "n_layer": 2, "budget_avg": 96, "b_min": 40, "budget_rule": "manual",
+            "layers": [{"layer": 0, "prefill": {"pattern": "snapkv", "budget": 128, "window": 16, "obs_window": 16,
+                                                "pool_kernel": 7},
+                        "decode": {"pattern": "h2o", "budget": 128, "window": 16}},
+                       {"layer": 1, "prefill": {"pattern": "h2o", "budget": 64, "window": 16},
+                        "decode": {"pattern": "tova", "budget": 64, "window": 1}}]}
+    p = tmp_path / "mixed.json"
+    p.write_text(Plan.from_dict(plan).validate(n_layer=2).to_json())
+    return p
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_gguf, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("eval")
+    plan = _mixed_plan(tmp)
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp / "out"), plans=[str(plan)], **TINY_BASE)
+    return cfg, run_eval(cfg, log=lambda m: None), tmp
+
+
+def test_end_to_end_tiny_run_writes_json_markdown_png(tiny_run):
+    cfg, res, _ = tiny_run
+    out = Path(cfg.out_dir)
+    data = json.loads((out / "results.json").read_text())
+    assert data["format"] == "polykv-eval-results" and data["partial"] is False
+    assert data["methods"] == ["fullkv", "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv"]
+    # every (sample, protocol, method, budget) has exactly one scored record
+    samples = [s["key"] for s in data["samples"]]
+    assert len(samples) == 3
+    task_recs = [r for r in data["records"] if r["kind"] == "ruler"]
+    n_runs = 1 + 7 * 2
+    assert len(task_recs) == len(samples) * 2 * n_runs
+    assert {r["protocol"] for r in task_recs} == {"query-aware", "query-agnostic"}
+    assert all(0.0 <= r["score"] <= 1.0 and isinstance(r["prediction"], str) for r in task_recs)
+    assert all(r["status"] == "ok" for r in data["runs"]), data["runs"]
+    # compressed runs really hold less KV than FullKV; budget 1024 >= every token: copied from FullKV
+    kv = {(r["method"], r["budget"]): r for r in data["runs"]}
+    assert kv[("snapkv", 48)]["kv_bytes"] < kv[("fullkv", None)]["kv_bytes"]
+    copied = [r for r in task_recs if r.get("reused_from")]
+    assert copied and all(r["budget"] == 1024 for r in copied)
+    assert data["reuse"]["prefix_tokens_shared"] > 0 and data["reuse"]["fullkv_protocols_shared"] == 3
+    # perplexity / KL
+    ppl = {(r["method"], r["budget"]): r for r in data["records"] if r["kind"] == "ppl"}
+    assert ppl[("fullkv", None)]["kl"] == 0.0 and ppl[("fullkv", None)]["ppl"] > 1
+    assert ppl[("h2o", 48)]["kl"] > 0 and ppl[("h2o", 48)]["n_scored"] == 8
+    assert ppl[("h2o", 1024)]["kl"] == 0.0
+    # summary, gap, markdown, plots
+    summ = data["summary"]
+    assert set(summ["ruler"]) == {"query-aware", "query-agnostic"}
+    assert "polykv" in summ["gap_recovered"]["ppl"]["kl"]["all"]
+    md = (out / "results.md").read_text()
+    for needle in ("query-aware", "query-agnostic", "## What was reused", "polykv", "Perplexity and KL",
+                   "| method | 48 (8.0%) | 1024 (170.7%) |", "mixed.json"):
+        assert needle in md, needle
+    for png in ("score_vs_budget.png", "tasks_query-aware.png", "tasks_query-agnostic.png", "ppl_vs_budget.png"):
+        blob = (out / png).read_bytes()
+        assert blob.startswith(PNG_MAGIC) and len(blob) > 5000, png
+        assert f"]({png})" in md
+
+
+def test_reuse_changes_nothing_that_it_claims_to_keep(tiny_run, tiny_gguf):
+    cfg, res, tmp = tiny_run
+    cfg2 = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp / "noreuse"), plans=cfg.plans, reuse=False, png=False,
+                      **TINY_BASE)
+    res2 = run_eval(cfg2, log=lambda m: None)
+    key = lambda r: (r["kind"], r["task"], r["protocol"], r["method"], r["budget"])  # noqa: E731
+    a = {key(r): r for r in res["records"]}
+    b = {key(r): r for r in res2["records"]}
+    assert a.keys() == b.keys()
+    assert res2["reuse"]["copied_from_fullkv"] == 0 and res2["reuse"]["prefix_tokens_shared"] == 0
+    for k, r in a.items():
+        if r.get("reused_from"):
+            # computed for real without reuse: a cache that never evicts gives FullKV's answer
+            if r["kind"] == "ppl":
+                assert b[k]["nll"] == pytest.approx(r["nll"], abs=1e-3)
+            else:
+                assert b[k]["prediction"] == r["prediction"], k
+        if r["method"] == "fullkv":
+            assert b[k].get("prediction") == r.get("prediction")
+
+
+def test_resume_skips_finished_work_and_refuses_another_config(tiny_run, tiny_gguf):
+    cfg, res, _ = tiny_run
+    ev = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=cfg.out_dir, plans=cfg.plans, resume=True,
+                              png=False, **TINY_BASE), log=lambda m: None)
+    ev.setup()
+    again = ev.run()
+    ev.model.close()
+    assert ev.reuse["contexts_created"] == 0
+    assert len(again["records"]) == len(res["records"])
+    bad = EvalConfig(model=str(tiny_gguf), out_dir=cfg.out_dir, plans=cfg.plans, resume=True, **{**TINY_BASE,
+                                                                                               "n_ubatch": 32})
+    with pytest.raises(EvalError, match="another configuration"):
+        Evaluator(bad, log=lambda m: None).setup()
+
+
+def test_unsupported_model_falls_back_to_fullkv(tiny_gguf, tmp_path, monkeypatch):
+    reason = "PolyKV: architecture 'gemma3' is not supported yet"
+    monkeypatch.setattr(Evaluator, "_probe_plan_support", lambda self, plan: reason)
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path), png=False, ppl=False,
+                     **{**TINY_BASE, "tasks": ["niah_single"], "budgets": [48]})
+    res = run_eval(cfg, log=lambda m: None)
+    assert {r["method"] for r in res["records"]} == {"fullkv"}
+    assert all(r["status"].startswith("unsupported") for r in res["runs"] if r["method"] != "fullkv")
+    md = (tmp_path / "results.md").read_text()
+    assert "does not support this model" in md and "Only FullKV is evaluated" in md
+
+
+@pytest.mark.slow
+def test_gemma3_is_reported_and_fullkv_still_runs(tmp_path):
+    from polykv_cpp import models
+
+    path = models.fetch("gemma-3-270m-q4_k_m", progress=False)
+    cfg = EvalConfig(model=str(path), out_dir=str(tmp_path), budgets=[128], lengths=[600], n_samples=1,
+                     tasks=["niah_single"], ppl=False, png=False, progress=False)
+    res = run_eval(cfg, log=lambda m: None)
+    assert {r["method"] for r in res["records"]} == {"fullkv"}
+    assert any("gemma3" in n for n in res["notes"])
+
+
+class _FakeCtx:
+    """Records what each protocol feeds, batch by batch, since the last clear (state = that history)."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+        self.seen: list[list[list[int]]] = []
+
+    def clear(self):
+        self.batches = []
+
+    def decode(self, toks):
+        assert toks, "decode() of nothing"
+        self.batches.append(list(toks))
+
+    def state_bytes(self):
+        return json.dumps(self.batches).encode()
+
+    def load_state_bytes(self, b):
+        self.batches = json.loads(b)
+
+    def generate_tokens(self, toks, max_tokens, sampler=None):
+        self.batches.append(list(toks))
+        self.seen.append([list(x) for x in self.batches])
+        yield 7
+
+
+class _FakeModel:
+    def token_to_piece(self, t):
+        return b"x"
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_protocols_feed_the_same_tokens_split_where_they_should(tmp_path, reuse):
+    """Query-aware = part 1 + part 2 in one stream; query-agnostic = part 1, then part 2 as its own batch. With
+    reuse, both start from the state after the last full ubatch of part 1 (batch boundaries are unchanged)."""
+    from polykv_cpp.plan import uniform_plan
+    from polykv_cpp.evaluation.runner import Run
+
+    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, reuse=reuse, progress=False)
+    ev = Evaluator(cfg, log=lambda m: None)
+    ev.model = _FakeModel()
+    ev.n_ctx = 4096
+    s = T.make_ruler_sample("qa", 2000, 0, 0, 3)
+    p1, p2 = list(range(1, 301)), list(range(1000, 1040))
+    ev.prompts[s.key] = T.Prompt(p1, p2)
+    ctx = _FakeCtx()
+    ev._run_sample(ctx, Run("h2o", 48, uniform_plan(2, "h2o", 48)), s)
+    assert cfg.protocols == ["query-agnostic", "query-aware"]
+    agnostic, aware = ctx.seen
+    P = 256 if reuse else 0
+    for fed in (aware, agnostic):
+        assert sum(fed, []) == p1 + p2
+    if reuse:
+        assert aware == [p1[:P], p1[P:] + p2] and agnostic == [p1[:P], p1[P:], p2]
+        assert ev.reuse["prefix_tokens_shared"] == P
+    else:
+        assert aware == [p1 + p2] and agnostic == [p1, p2]
+    recs = [r for r in ev.records.values()]
+    assert {r["protocol"] for r in recs} == {"query-aware", "query-agnostic"} and all(r["prediction"] == "x"
+                                                                                    for r in recs)
+
+
+def test_keeps_everything():
+    from polykv_cpp.plan import pyramid_plan, uniform_plan
+
+    assert keeps_everything(None, 10**6, 10**6)
+    assert keeps_everything(uniform_plan(2, "h2o", 500), 500, 4096)
+    assert not keeps_everything(uniform_plan(2, "h2o", 500), 501, 4096)
+    assert not keeps_everything(pyramid_plan(4, 1000), 900, 4096)  # the last layer keeps far less
+
+
+def test_config_errors(tiny_gguf, tmp_path):
+    with pytest.raises(EvalError, match="unknown task"):
+        EvalConfig(model=str(tiny_gguf), tasks=["nope"]).validate()
+    with pytest.raises(EvalError, match="protocol"):
+        EvalConfig(model=str(tiny_gguf), protocols=["sideways"]).validate()
+    with pytest.raises(EvalError, match="ppl-tokens"):
+        EvalConfig(model=str(tiny_gguf), lengths=[100], ppl_tokens=200).validate()
+    ev = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path), methods=["fullkv", "magic"],
+                              progress=False, **{k: v for k, v in TINY_BASE.items() if k != "progress"}),
+                   log=lambda m: None)
+    with pytest.raises(EvalError, match="unknown method 'magic'"):
+        ev.setup()
+
+
+# ------------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_eval_help(cli_exe):
+    proc = run_cli(cli_exe, "eval", "--help")
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--budgets", "--lengths", "--protocol", "--plan", "--longbench", "-ngl", "--resume", "--quick"):
+        assert flag in proc.stdout, flag
+
+
+def test_cli_eval_runs_and_rerenders(cli_exe, tiny_gguf, tmp_path):
+    out = tmp_path / "cli"
+    proc = run_cli(cli_exe, "eval", tiny_gguf, "--out", out, "--lengths", "600", "--budgets", "48",
+                   "--methods", "fullkv,tova", "--tasks", "qa", "--samples", "1", "--protocol", "query-agnostic",
+                   "--ppl-tokens", "4", "--ppl-texts", "1", "-ub", "64", "-t", "1", "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "results.json").read_text())
+    assert {r["protocol"] for r in data["records"] if r["kind"] == "ruler"} == {"query-agnostic"}
+    assert "protocol: query-agnostic" in (out / "results.md").read_text()
+    (out / "results.md").unlink()
+    proc = run_cli(cli_exe, "eval", "--report-only", out, "--no-png")
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "results.md").is_file()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["eval", "/nonexistent/model.gguf"], "model not found"),
+    (["eval", "{tiny}", "--tasks", "nope"], "unknown task"),
+    (["eval", "{tiny}", "--budgets", "12,x"], "comma-separated integers"),
+    (["eval", "{tiny}", "--plan", "/nonexistent/plan.json", "--lengths", "600"], "not found"),
+    (["eval", "--report-only", "/nonexistent/dir"], "no results.json"),
+])
+def test_cli_eval_bad_input(cli_exe, tiny_gguf, tmp_path, args, needle):
+    args = [str(tiny_gguf) if a == "{tiny}" else a for a in args]
+    proc = run_cli(cli_exe, *args, "--out", tmp_path / "o")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr, proc.stderr
+
+
+def test_eval_suite_script_presets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("eval_suite", Path(__file__).parent.parent / "scripts" / "eval_suite.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    argv = mod.expand(["m.gguf", "--preset", "cpu", "--budgets", "64"])
+    assert argv[:len(mod.PRESETS["cpu"])] == mod.PRESETS["cpu"] and argv[-3:] == ["m.gguf", "--budgets", "64"]
+    assert mod.expand(["--preset=smoke", "x"]) == ["--quick", "x"]
+    with pytest.raises(SystemExit, match="preset"):
+        mod.expand(["--preset", "nope"])
