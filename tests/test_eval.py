@@ -397,15 +397,16 @@ def test_unsupported_model_falls_back_to_fullkv(tiny_gguf, tmp_path, monkeypatch
 
 
 @pytest.mark.slow
-def test_gemma3_is_reported_and_fullkv_still_runs(tmp_path):
+def test_gemma3_runs_compressed_methods(tmp_path):
     from polykv_cpp import models
 
     path = models.fetch("gemma-3-270m-q4_k_m", progress=False)
     cfg = EvalConfig(model=str(path), out_dir=str(tmp_path), budgets=[128], lengths=[600], n_samples=1,
                      tasks=["niah_single"], ppl=False, png=False, progress=False)
     res = run_eval(cfg, log=lambda m: None)
-    assert {r["method"] for r in res["records"]} == {"fullkv"}
-    assert any("gemma3" in n for n in res["notes"])
+    methods = {r["method"] for r in res["records"]}
+    assert "fullkv" in methods and "streamingllm" in methods and "snapkv" in methods
+    assert not any(r["status"].startswith("unsupported") for r in res["runs"])
 
 
 class _FakeCtx:

@@ -317,13 +317,14 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             continue;
         }
         const auto & lp = plan.layers[il];
+        const bool is_swa = hparams.is_swa(il);
         const bool positional = !lp[0].needs_scores() && !lp[1].needs_scores() &&
                                 lp[0].pattern != LLAMA_POLYKV_KNORM && lp[1].pattern != LLAMA_POLYKV_KNORM;
         int32_t g_found = -1;
         if (positional) {
             for (size_t g = 0; g < groups.size(); ++g) {
                 const auto & grp = groups[g];
-                if (!grp.needs_scores() && !grp.needs(LLAMA_POLYKV_KNORM) &&
+                if (grp.is_swa == is_swa && !grp.needs_scores() && !grp.needs(LLAMA_POLYKV_KNORM) &&
                     same_phase(grp.phase[0], lp[0]) && same_phase(grp.phase[1], lp[1])) {
                     g_found = (int32_t) g;
                     break;
@@ -332,7 +333,8 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         }
         if (g_found < 0) {
             groups.emplace_back();
-            groups.back().phase = lp;
+            groups.back().phase  = lp;
+            groups.back().is_swa = is_swa;
             g_found = (int32_t) groups.size() - 1;
         }
         groups[g_found].layers.push_back(il);
@@ -344,8 +346,11 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         uint32_t cap = 0;
         for (int p = 0; p < 2; ++p) {
             const auto & pp = grp.phase[p];
-            const uint32_t need = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget + n_ubatch;
-            cap = std::max(cap, need);
+            uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget;
+            if (grp.is_swa) {
+                keep = std::min(keep, hparams.n_swa);
+            }
+            cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + n_ubatch);
         }
         // on GPUs, multiples of 256 keep the fast flash-attention kernels usable; the CPU needs no padding
         uint32_t pad = 32;
@@ -363,7 +368,8 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         const std::string tag = "_pkv" + std::to_string(g);
         grp.kv = std::make_unique<llama_kv_cache>(
                 model, hparams, type_k, type_v, v_trans, offload, /*unified*/ true, grp.capacity,
-                /*n_seq_max*/ 1, /*n_pad*/ 1, /*n_swa*/ 0, LLAMA_SWA_TYPE_NONE, nullptr,
+                /*n_seq_max*/ 1, /*n_pad*/ 1, grp.is_swa ? hparams.n_swa : 0,
+                grp.is_swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE, nullptr,
                 [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
         grp.acc.assign(grp.capacity, 0.0f);
         grp.last.assign(grp.capacity, 0.0f);
@@ -662,7 +668,16 @@ static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, in
 
 void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
     if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
-        return;
+        return; // a FullKV sliding-window group behaves exactly as the stock SWA cache (it recycles masked cells)
+    }
+    if (grp.is_swa) {
+        // the budget counts visible tokens: those that left the window are masked for every later query (the
+        // next one is at pos_max + 1 and sees p > pos_max + 1 - n_swa), so free their cells first
+        const llama_pos pos_max = grp.kv->seq_pos_max(0);
+        const llama_pos p_out   = pos_max + 2 - (llama_pos) hparams.n_swa;
+        if (p_out > 0 && grp.kv->seq_pos_min(0) < p_out) {
+            grp.kv->seq_rm(0, 0, p_out);
+        }
     }
     const auto & cells = grp.kv->get_cells(0);
     std::vector<std::pair<llama_pos, uint32_t>> items; // (pos, cell), oldest first
@@ -866,6 +881,47 @@ llm_graph_input_attn_kv * llm_graph_input_attn_kv_poly::group_input(int32_t il) 
     return groups[g].get();
 }
 
+llm_graph_input_attn_kv_iswa_poly::llm_graph_input_attn_kv_iswa_poly(
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        std::unique_ptr<llm_graph_input_attn_kv_poly> kv) :
+    llm_graph_input_attn_kv_iswa(hparams, cparams, nullptr), kv(std::move(kv)) {
+}
+
+void llm_graph_input_attn_kv_iswa_poly::set_input(const llama_ubatch * ubatch) {
+    kv->set_input(ubatch);
+}
+
+bool llm_graph_input_attn_kv_iswa_poly::can_reuse(const llm_graph_params & params) {
+    return kv->can_reuse(params);
+}
+
+std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
+        ggml_context * ctx0,
+        const llama_ubatch & ubatch,
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        const llama_kv_cache_poly_context * pctx) {
+    auto inp = std::make_unique<llm_graph_input_attn_kv_poly>(hparams, cparams, pctx);
+    const int64_t n_stream = cparams.kv_unified ? 1 : ubatch.n_seqs_unq;
+    for (uint32_t g = 0; g < pctx->n_groups(); ++g) {
+        const auto * gctx = pctx->get_group(g);
+        auto ginp = std::make_unique<llm_graph_input_attn_kv>(hparams, cparams, gctx);
+        ginp->self_k_idxs = gctx->build_input_k_idxs(ctx0, ubatch);
+        ginp->self_v_idxs = gctx->build_input_v_idxs(ctx0, ubatch);
+        // flash attention wants an f16 mask
+        ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32,
+                                                gctx->get_n_kv(), ubatch.n_tokens/n_stream, 1, n_stream);
+        ggml_set_input(ginp->self_kq_mask);
+        ggml_set_name(ginp->self_kq_mask, "attn_inp_kq_mask");
+        ginp->self_kq_mask_cnv = ginp->self_kq_mask;
+        ginp->self_k_rot = gctx->build_input_k_rot(ctx0);
+        ginp->self_v_rot = gctx->build_input_v_rot(ctx0);
+        inp->groups.push_back(std::move(ginp));
+    }
+    return inp;
+}
+
 //
 // hooks
 //
@@ -875,6 +931,7 @@ static bool arch_supported(llm_arch arch) {
         case LLM_ARCH_LLAMA:
         case LLM_ARCH_QWEN2:
         case LLM_ARCH_QWEN3:
+        case LLM_ARCH_GEMMA3:
             return true;
         default:
             return false;
@@ -900,10 +957,10 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     }
     if (!arch_supported(model.arch)) {
         throw std::runtime_error(std::string("PolyKV: architecture '") + llm_arch_name(model.arch) +
-                                 "' is not supported yet (supported: llama, qwen2, qwen3); run without a plan (LLAMA_POLYKV_DISABLE=1)");
+                                 "' is not supported yet (supported: llama, qwen2, qwen3, gemma3); run without a plan (LLAMA_POLYKV_DISABLE=1)");
     }
-    if (hparams.swa_type != LLAMA_SWA_TYPE_NONE || hparams.n_pos_per_embd() != 1) {
-        throw std::runtime_error("PolyKV: sliding-window and multi-position (M-RoPE) models are not supported yet");
+    if ((hparams.swa_type != LLAMA_SWA_TYPE_NONE && hparams.swa_type != LLAMA_SWA_TYPE_STANDARD) || hparams.n_pos_per_embd() != 1) {
+        throw std::runtime_error("PolyKV: chunked/symmetric sliding-window and multi-position (M-RoPE) models are not supported yet");
     }
     if (cparams.n_seq_max > 1) {
         throw std::runtime_error("PolyKV: a context with a plan serves one sequence (n_seq_max = 1); got n_seq_max = " +

@@ -101,6 +101,8 @@ public:
         ggml_tensor * t_knorm = nullptr; // [n_head_kv, n_tokens]: ||k|| of the new tokens per KV head
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
 
+        bool is_swa = false; // sliding-window layers: the window masks, eviction may shrink further
+
         bool needs_scores() const { return phase[0].needs_scores() || phase[1].needs_scores(); }
         bool needs(llama_polykv_pattern p) const { return phase[0].pattern == p || phase[1].pattern == p; }
     };
@@ -230,6 +232,20 @@ public:
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;
 };
 
+// the same for models whose graphs ask for iSWA inputs (gemma3): build_attn forwards to the per-group input
+class llm_graph_input_attn_kv_iswa_poly : public llm_graph_input_attn_kv_iswa {
+public:
+    llm_graph_input_attn_kv_iswa_poly(
+            const llama_hparams & hparams,
+            const llama_cparams & cparams,
+            std::unique_ptr<llm_graph_input_attn_kv_poly> kv);
+
+    void set_input(const llama_ubatch * ubatch) override;
+    bool can_reuse(const llm_graph_params & params) override;
+
+    std::unique_ptr<llm_graph_input_attn_kv_poly> kv;
+};
+
 //
 // hooks called from llama.cpp files (native/patches)
 //
@@ -237,6 +253,14 @@ public:
 // llama_model::create_memory: the PolyKV memory if a plan applies to this model/context, else nullptr;
 // throws std::runtime_error for a bad plan or an unsupported model
 llama_memory_i * llama_polykv_create_memory(const llama_model & model, const llama_memory_params & params, const llama_cparams & cparams);
+
+// llm_graph_context::build_attn_inp_kv / _iswa: one (idxs, mask) input per cache group
+std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
+        ggml_context * ctx0,
+        const llama_ubatch & ubatch,
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        const llama_kv_cache_poly_context * pctx);
 
 // llm_graph_context::build_attn: the score branch of layer il (no-op for layers without score patterns)
 void llama_polykv_build_scores(

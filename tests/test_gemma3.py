@@ -1,0 +1,92 @@
+"""PolyKV on the real Gemma-3-270M (gemma3: sliding-window layers with a 512-token window + global layers)."""
+
+import numpy as np
+import pytest
+
+from polykv_cpp import plan as plan_mod
+from polykv_cpp.api import Model
+
+pytestmark = pytest.mark.slow
+
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 40) + "The secret number is 4817. " + \
+       ("A journey of a thousand miles begins with a single step. " * 40)
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    from polykv_cpp import models
+
+    return models.fetch("gemma-3-270m-q4_k_m", progress=False)
+
+
+def swa_layers(model):
+    """Sliding-window layers of gemma3: every layer but each 6th (global attention)."""
+    return [il for il in range(model.n_layer) if (il + 1) % 6 != 0]
+
+
+def phase(pattern, budget=None, **kw):
+    return plan_mod.PhasePlan(pattern, budget=budget, **kw)
+
+
+def make_plan(n_layer, per_layer):
+    layers = [plan_mod.LayerPlan(il, *per_layer(il)) for il in range(n_layer)]
+    return plan_mod.Plan(version=1, n_layer=n_layer, budget_avg=64, b_min=1, budget_rule="test", layers=layers,
+                         exact_total=False)
+
+
+def logits_of(model, tokens, plan, n_ctx=2048):
+    model.set_plan(plan)
+    with model.context(n_ctx=n_ctx, n_ubatch=512) as ctx:
+        ctx.decode(tokens)
+        first = ctx.logits()
+        for t in tokens[-4:]:
+            ctx.decode([t])
+        return first, ctx.logits(), ctx.kv_layer_stats(), ctx
+
+
+def test_fullkv_plan_matches_stock_iswa(gemma):
+    with Model(gemma) as model:
+        toks = model.tokenize(TEXT)
+        assert len(toks) > 600  # longer than the 512-token window
+        base = logits_of(model, toks, None)
+        full = logits_of(model, toks, make_plan(model.n_layer, lambda il: (phase("fullkv"), phase("fullkv"))))
+    np.testing.assert_allclose(full[0], base[0], atol=1e-5)
+    np.testing.assert_allclose(full[1], base[1], atol=1e-5)
+
+
+def test_window_and_budgets_on_gemma3(gemma):
+    with Model(gemma) as model:
+        toks = model.tokenize(TEXT)
+        swa = set(swa_layers(model))
+
+        def per_layer(il):
+            if il in swa:
+                # a sliding-window layer keeps its window; layer 0 is shrunk further
+                return (phase("streamingllm", 32, n_sink=4), phase("streamingllm", 32, n_sink=4)) if il == 0 \
+                    else (phase("fullkv"), phase("fullkv"))
+            return (phase("h2o", 96, n_sink=4, window=16), phase("tova", 64, window=1))
+
+        plan = make_plan(model.n_layer, per_layer)
+        model.set_plan(plan)
+        with model.context(n_ctx=4096, n_ubatch=256, n_batch=256) as ctx:
+            ctx.decode(toks)
+            n = len(toks)
+            stats = {s.layer: s for s in ctx.kv_layer_stats()}
+            for il, s in stats.items():
+                if il == 0:
+                    # the window comes first (older tokens are invisible anyway), then StreamingLLM inside it
+                    kept = ctx.kept_positions(0)
+                    assert s.used == 32 and kept[4:] == list(range(n - 28, n)) and kept[0] >= n - 511
+                elif il in swa:
+                    # FullKV in a sliding-window layer: the stock SWA cache (window + one ubatch, old cells masked)
+                    assert set(range(n - 511, n)) <= set(ctx.kept_positions(il)), il
+                    assert s.capacity == 512 + 256
+                else:
+                    assert s.used == 96 and s.pattern_prefill == "h2o", il
+            ctx.decode(model.tokenize(" The", add_special=False))
+            after = {s.layer: s.used for s in ctx.kv_layer_stats()}
+            assert all(after[il] == 64 for il in stats if il not in swa)
+            total = sum(s.bytes for s in stats.values())
+            full = sum(s.bytes_fullkv for s in stats.values())
+            assert total < 0.3 * full
+            assert np.isfinite(ctx.logits()).all()
