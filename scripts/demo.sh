@@ -7,6 +7,7 @@ echo "[polykv-cpp] building and installing (first build: a few minutes; ccache m
 python -m pip install -q --disable-pip-version-check ".[plot]"
 model=$(polykv-cpp models fetch | tail -n 1)
 echo "[polykv-cpp] model: $model"
-polykv-cpp run "$model" -n 64 -p "def quicksort(arr):
+# the calibrated plan of the default model (made by `polykv-cpp calibrate --budget 512`, see docs/results.md)
+polykv-cpp run "$model" --plan plans/qwen2.5-coder-0.5b-instruct-q4_k_m.b512.json -c 8192 -n 64 -p "def quicksort(arr):
     \"\"\"Sort a list of numbers.\"\"\"
 "
