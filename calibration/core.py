@@ -207,7 +207,7 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
 
     from calibration import signals as S
     from calibration.data import load_calibration_data
-    from calibration.identity import check_identity, gguf_identity
+    from calibration.identity import check_identity
 
     torch.manual_seed(seed)
     if not progress:

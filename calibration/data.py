@@ -28,7 +28,7 @@ import random
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 from polykv_cpp.errors import CalibrationError
 

@@ -25,7 +25,6 @@ transformers attention function). Then, for each layer ALONE (the other layers k
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from polykv_cpp import LLAMA_CPP_COMMIT, __version__
+from polykv_cpp import __version__
 from polykv_cpp.errors import PolyKVError
 
 TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench")

@@ -8,7 +8,6 @@ provenance next to FILE), heatmaps of the preference signal layer x pattern with
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 

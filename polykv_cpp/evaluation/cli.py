@@ -210,17 +210,9 @@ def register_cli(subparsers: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m polykv_cpp.evaluation.cli ...` (same as `polykv-cpp eval ...`)."""
-    parser = argparse.ArgumentParser(prog="polykv-cpp")
-    sub = parser.add_subparsers(dest="command")
-    register_cli(sub)
-    args = parser.parse_args(["eval", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return int(args.func(args) or 0)
-    except PolyKVError as e:
-        print(f"polykv-cpp eval: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    from polykv_cpp.cli import main as cli_main
+
+    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
