@@ -40,4 +40,5 @@ def cli_exe() -> list[str]:
 
 
 def run_cli(cli_exe, *args, timeout=600, env=None):
-    return subprocess.run([*cli_exe, *map(str, args)], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run([*cli_exe, *map(str, args)], capture_output=True, text=True, errors="replace",
+                          timeout=timeout, env=env)

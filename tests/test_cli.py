@@ -20,7 +20,8 @@ def test_tools_are_installed_and_run(cli_exe):
     paths = dict(line.split("\t") for line in proc.stdout.strip().splitlines())
     for tool in ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench"):
         assert os.access(paths[tool], os.X_OK), tool
-    help_out = subprocess.run([paths["llama-completion"], "--help"], capture_output=True, text=True, timeout=60)
+    help_out = subprocess.run([paths["llama-completion"], "--help"], capture_output=True, text=True, errors="replace",
+                              timeout=60)
     assert help_out.returncode == 0 and "--n-predict" in help_out.stdout + help_out.stderr
     version = subprocess.run([paths["llama-bench"], "--help"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0
@@ -120,17 +121,17 @@ def test_stock_tools_honour_plan_from_gguf_and_env(tiny_gguf, tmp_path):
     completion = subprocess.run(
         [str(bin_dir() / "llama-completion"), "-m", str(with_plan), "-p", "the cat", "-n", "4", "-no-cnv",
          "--no-warmup", "-c", "2048", "-ub", "128", "-v"],
-        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        capture_output=True, text=True, errors="replace", timeout=120, stdin=subprocess.DEVNULL)
     assert completion.returncode == 0, completion.stderr[-2000:]
     assert "PolyKV plan active (GGUF key polykv.plan)" in completion.stderr
     assert "7.8% of FullKV" in completion.stderr  # 160 of 2048 cells
     env = dict(os.environ, LLAMA_POLYKV_PLAN=str(sidecar), LLAMA_POLYKV_KV_BUDGET="16")
     bench = subprocess.run([str(bin_dir() / "llama-bench"), "-m", str(tiny_gguf), "-p", "32", "-n", "4", "-r", "1",
-                            "-v"], capture_output=True, text=True, timeout=120, env=env)
+                            "-v"], capture_output=True, text=True, errors="replace", timeout=120, env=env)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert f"PolyKV plan active (file {sidecar}, kv-budget 16)" in bench.stdout + bench.stderr
     disabled = subprocess.run(
         [str(bin_dir() / "llama-completion"), "-m", str(with_plan), "-p", "the cat", "-n", "2", "-no-cnv",
-         "--no-warmup", "-c", "512", "-v"], capture_output=True, text=True, timeout=120,
+         "--no-warmup", "-c", "512", "-v"], capture_output=True, text=True, errors="replace", timeout=120,
         env=dict(os.environ, LLAMA_POLYKV_DISABLE="1"), stdin=subprocess.DEVNULL)
     assert disabled.returncode == 0 and "PolyKV plan active" not in disabled.stderr
