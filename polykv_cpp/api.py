@@ -25,6 +25,7 @@ from polykv_cpp._native import ffi
 from polykv_cpp.errors import ModelLoadError, NativeError, PlanError
 
 GGUF_MAGIC = b"GGUF"
+PREFILL_MODES = {"chunked": 0, "exact": 1}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 # ggml_type ids of the KV cache types llama.cpp accepts for -ctk/-ctv
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -227,15 +228,22 @@ class Model:
         return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
 
     # ---- PolyKV plan ----------------------------------------------------------------------------------
-    def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False) -> None:
+    def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked") -> None:
         """Choose the PolyKV plan of contexts created afterwards.
 
         `plan`: a `polykv_cpp.plan.Plan`, a JSON string, or a path (JSON sidecar or GGUF); None with
         `use_gguf=False` means no plan (FullKV, stock llama.cpp); `use_gguf=True` uses the plan stored in the
         model file (the `polykv.plan` key) and fails if there is none. `kv_budget` > 0 rescales the plan to
-        that average number of tokens per layer (b_min and proportions kept).
+        that average number of tokens per layer (b_min and proportions kept). `prefill`: "chunked" (default:
+        a prompt streams through caches of budget + one ubatch, evicted after every ubatch) or "exact" (the
+        whole prompt is kept in caches of n_ctx cells and compressed once when decoding starts; no memory is
+        saved, the kept sets are those of the reference for prompts of any length).
         """
         from polykv_cpp import plan as plan_mod
+
+        if prefill not in PREFILL_MODES:
+            raise PlanError(f"prefill must be one of {', '.join(PREFILL_MODES)} (got {prefill!r})")
+        self._lib.llama_polykv_set_model_prefill_mode(self.ptr, PREFILL_MODES[prefill])
 
         if kv_budget < 0:
             raise PlanError(f"--kv-budget must be positive (got {kv_budget})")

@@ -59,7 +59,8 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
-        model.set_plan(args.plan, kv_budget=args.kv_budget or 0, use_gguf=args.plan_from_gguf)
+        model.set_plan(args.plan, kv_budget=args.kv_budget or 0, use_gguf=args.plan_from_gguf,
+                       prefill=args.prefill_mode)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                            type_v=args.cache_type_v) as ctx:
@@ -162,6 +163,8 @@ def add_run_parser(sub) -> None:
     p.add_argument("--plan-from-gguf", action="store_true", help="use the PolyKV plan stored in the model")
     p.add_argument("--plan", metavar="FILE", help="PolyKV plan (JSON sidecar or GGUF)")
     p.add_argument("--kv-budget", type=int, default=None, help="average KV tokens per layer")
+    p.add_argument("--prefill-mode", choices=["chunked", "exact"], default="chunked",
+                   help="chunked: evict after every ubatch (bounded memory); exact: compress the whole prompt once")
     p.set_defaults(func=cmd_run)
 
 

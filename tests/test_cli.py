@@ -97,6 +97,10 @@ def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
     assert outs[0].stdout == outs[1].stdout
     assert "budget 32/32" in outs[0].stderr and "budget 16/16" in outs[2].stderr
     assert "used 32" in outs[0].stderr and "used 16" in outs[2].stderr
+    exact = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar, "--prefill-mode", "exact", "-p", "the cat " * 20,
+                    "-n", "4", "-c", "2048", "-ub", "128", "--no-echo", "-v")
+    assert exact.returncode == 0, exact.stderr[-2000:]
+    assert "saved 0.0%" in exact.stderr and "used 32" in exact.stderr  # whole-prompt caches, compressed once
     # without the flag the plan in the file is not used
     plain = run_cli(cli_exe, "run", with_plan, "-p", "x", "-n", "2", "-c", "256")
     assert plain.returncode == 0 and "FullKV (no plan)" in plain.stderr

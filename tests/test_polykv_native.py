@@ -84,14 +84,17 @@ def one_layer_plan(il: int, pattern: str, n_layer: int = CFG.n_layer) -> plan_mo
                          layers=layers, exact_total=False)
 
 
-def run_native(path, plan, tokens, layer, *, flash_attn="on", type_k="f32", type_v="f32"):
+def run_native(path, plan, tokens, layer, *, flash_attn="on", type_k="f32", type_v="f32", n_ubatch=512,
+               prefill="chunked"):
     """Kept positions of `layer` after the prompt and after each teacher-forced decode step, and logits."""
     with Model(path) as model:
-        model.set_plan(plan)
-        with model.context(n_ctx=256, n_ubatch=512, flash_attn=flash_attn, type_k=type_k, type_v=type_v) as ctx:
+        model.set_plan(plan, prefill=prefill)
+        with model.context(n_ctx=256, n_batch=n_ubatch, n_ubatch=n_ubatch, flash_attn=flash_attn, type_k=type_k,
+                           type_v=type_v) as ctx:
             assert ctx.polykv_active == (plan is not None)
             ctx.decode(tokens[:P])
-            kept = [ctx.kept_positions(layer) if plan is not None else None]
+            # in exact mode the prompt is compressed when decoding starts: read the kept set after step 1
+            kept = [ctx.kept_positions(layer) if plan is not None and prefill == "chunked" else None]
             logits = [ctx.logits()]
             for t in tokens[P:]:
                 ctx.decode([t])
@@ -116,6 +119,35 @@ def test_kept_positions_equal_reference(twin, tokens, hf_reference, pattern, lay
     for step in range(N):
         assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
     assert len(kept[-1]) == B_DECODE
+
+
+@pytest.mark.parametrize("pattern", sorted(PHASE_PARAMS))
+def test_exact_prefill_mode_equals_reference_for_a_prompt_of_several_ubatches(twin, tokens, hf_reference, pattern):
+    """n_ubatch 16: the 40-token prompt is three ubatches; exact mode compresses it once, as the reference."""
+    _, path = twin
+    layer = 1
+    plan = one_layer_plan(layer, pattern)
+    kept, _ = run_native(path, plan, tokens, layer, n_ubatch=16, prefill="exact")
+    logp, keys = hf_reference[layer]
+    pp = plan.layers[layer]
+    ref = simulate(logp, P, prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
+                   decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys)
+    for step in range(N):
+        assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
+
+
+def test_chunked_prefill_bounds_the_cache_and_differs_from_exact(twin, tokens):
+    _, path = twin
+    plan = one_layer_plan(1, "h2o")
+    chunked, _ = run_native(path, plan, tokens, 1, n_ubatch=16)
+    exact, _ = run_native(path, plan, tokens, 1, n_ubatch=16, prefill="exact")
+    assert len(chunked[0]) == B_PREFILL
+    assert [len(k) for k in chunked[1:]] == [B_DECODE] * N == [len(k) for k in exact[1:]]
+    with Model(path) as model:
+        for mode, cells in (("chunked", 64), ("exact", 256)):  # pad32(20 + 16) vs n_ctx
+            model.set_plan(plan, prefill=mode)
+            with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
+                assert {s.layer: s.capacity for s in ctx.kv_layer_stats()}[1] == cells
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])

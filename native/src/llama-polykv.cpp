@@ -217,6 +217,7 @@ struct polykv_override {
 
 static std::mutex g_mutex;
 static std::map<const llama_model *, polykv_override> g_overrides;
+static std::map<const llama_model *, bool> g_prefill_exact;
 static std::string g_last_error;
 
 static void set_last_error(const std::string & msg) {
@@ -301,12 +302,14 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         const llama_model & model,
       const llama_hparams & hparams,
         llama_polykv_plan   plan_in,
+                     bool   prefill_exact,
                 ggml_type   type_k,
                 ggml_type   type_v,
                      bool   v_trans,
                      bool   offload,
                  uint32_t   n_ctx,
-                 uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx) {
+                 uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
+                                        prefill_exact(prefill_exact) {
     const int32_t n_layer = (int32_t) hparams.n_layer();
     layer_group.assign(n_layer, -1);
 
@@ -346,7 +349,8 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         uint32_t cap = 0;
         for (int p = 0; p < 2; ++p) {
             const auto & pp = grp.phase[p];
-            uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget;
+            const bool whole_prompt = prefill_exact && p == LLAMA_POLYKV_PHASE_PREFILL;
+            uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0 || whole_prompt) ? n_ctx : (uint32_t) pp.budget;
             if (grp.is_swa) {
                 keep = std::min(keep, hparams.n_swa);
             }
@@ -761,6 +765,15 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
     grp.n_evicted += drop.size();
 }
 
+void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
+    if (prompt_pending && ubatch.n_tokens == 1) {
+        for (auto & grp : groups) {
+            evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
+        }
+        prompt_pending = false;
+    }
+}
+
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
     bool any_scores = false;
     for (const auto & grp : groups) {
@@ -774,8 +787,11 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
-        evict(grp, grp.phase[phase]);
+        if (decode || !prefill_exact) {
+            evict(grp, grp.phase[phase]);
+        }
     }
+    prompt_pending = prefill_exact && !decode;
 }
 
 std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il) const {
@@ -821,6 +837,7 @@ bool llama_kv_cache_poly_context::apply() {
     }
     // lazy slotting: the cells freed by the eviction after the previous ubatch are reused now
     const auto & ubatch = ubatches[i_cur];
+    kv->before_ubatch(ubatch);
     group_ctxs.clear();
     for (uint32_t g = 0; g < kv->n_groups(); ++g) {
         auto & grp = kv->get_group(g);
@@ -969,7 +986,17 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     if (!llama_polykv_plan_resolve(plan, kv_budget, cparams.n_ctx_seq, err)) {
         throw std::runtime_error("PolyKV: " + err);
     }
-    auto * mem = new llama_kv_cache_poly(model, hparams, plan, params.type_k, params.type_v, !cparams.flash_attn,
+    bool prefill_exact = false;
+    {
+        std::lock_guard<std::mutex> lock(g_mutex);
+        auto it = g_prefill_exact.find(&model);
+        if (it != g_prefill_exact.end()) {
+            prefill_exact = it->second;
+        } else if (const char * env = getenv("LLAMA_POLYKV_PREFILL")) {
+            prefill_exact = std::string(env) == "exact";
+        }
+    }
+    auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_exact, params.type_k, params.type_v, !cparams.flash_attn,
                                          cparams.offload_kqv, cparams.n_ctx_seq, cparams.n_ubatch);
     uint64_t cells = 0;
     uint64_t bytes = 0;
@@ -978,8 +1005,9 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         bytes += mem->group_bytes(g);
     }
     const uint64_t full_cells = (uint64_t) cparams.n_ctx_seq * hparams.n_layer();
-    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
+    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
             __func__, source.c_str(), kv_budget > 0 ? (", kv-budget " + std::to_string(kv_budget)).c_str() : "",
+            prefill_exact ? ", exact prefill" : "",
             hparams.n_layer(), mem->n_groups(), cells, full_cells, bytes / 1024.0 / 1024.0, 100.0 * cells / std::max<uint64_t>(full_cells, 1));
     return mem;
 }
@@ -1088,6 +1116,16 @@ int32_t llama_polykv_set_model_plan(struct llama_model * model, const char * pla
     }
     std::lock_guard<std::mutex> lock(g_mutex);
     g_overrides[model] = { plan_json, kv_budget };
+    return 0;
+}
+
+int32_t llama_polykv_set_model_prefill_mode(struct llama_model * model, int32_t mode) {
+    if (!model || (mode != 0 && mode != 1)) {
+        set_last_error("prefill mode must be 0 (chunked) or 1 (exact)");
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_prefill_exact[model] = mode == 1;
     return 0;
 }
 

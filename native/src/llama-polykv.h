@@ -111,6 +111,7 @@ public:
             const llama_model & model,
           const llama_hparams & hparams,
             llama_polykv_plan   plan,
+                         bool   prefill_exact,
                     ggml_type   type_k,
                     ggml_type   type_v,
                          bool   v_trans,
@@ -161,6 +162,9 @@ public:
     // remember where the tokens of a ubatch went, reset the score state of those cells
     void on_placed(uint32_t g, const std::vector<uint32_t> & cells);
 
+    // before a ubatch is placed: in exact prefill mode, the first decode step first compresses the prompt
+    void before_ubatch(const llama_ubatch & ubatch);
+
     // after a ubatch was computed: read the score outputs and evict every group down to its budget
     void after_ubatch(llama_context * lctx, const llama_ubatch & ubatch);
 
@@ -176,6 +180,10 @@ private:
     llama_polykv_plan plan;
 
     const uint32_t n_ctx;
+
+    // exact prefill: keep the whole prompt, compress it once when decoding starts (caches of n_ctx cells)
+    const bool prefill_exact;
+    bool prompt_pending = false;
 
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
