@@ -310,3 +310,14 @@ def test_quantized_kv_cache_combines_with_eviction(tmp_path, tokens, pattern):
     assert np.isfinite(logits_q).all()
     overlap = len(set(kept_q[-1]) & set(kept_f[-1])) / B_DECODE
     assert overlap >= 0.75, (kept_q[-1], kept_f[-1])
+
+
+def test_plan_settings_die_with_their_model(tmp_path):
+    """A plan set on a freed model never applies to the next model (which may get the same address)."""
+    four = write_tiny_gguf(tmp_path / "four.gguf", TinyConfig(n_layer=4))
+    two = write_tiny_gguf(tmp_path / "two.gguf", TinyConfig(n_layer=2))
+    for _ in range(10):
+        with Model(four) as m4:
+            m4.set_plan(plan_mod.uniform_plan(4, "streamingllm", 16, n_sink=2), prefill="exact")
+        with Model(two) as m2, m2.context(n_ctx=256) as ctx:
+            assert not ctx.polykv_active

@@ -1129,6 +1129,12 @@ int32_t llama_polykv_set_model_prefill_mode(struct llama_model * model, int32_t 
     return 0;
 }
 
+void llama_polykv_forget_model(const llama_model * model) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_overrides.erase(model);
+    g_prefill_exact.erase(model);
+}
+
 static llama_kv_cache_poly * get_poly(const struct llama_context * ctx) {
     return ctx ? dynamic_cast<llama_kv_cache_poly *>(llama_get_memory(ctx)) : nullptr;
 }

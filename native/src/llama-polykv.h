@@ -282,5 +282,8 @@ void llama_polykv_build_scores(
                float   kq_scale,
              int32_t   il);
 
+// llama_model_free: forget the plan settings of a model (its address may be reused by the next model)
+void llama_polykv_forget_model(const llama_model * model);
+
 // llama_context::decode, after each computed ubatch
 void llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch);
