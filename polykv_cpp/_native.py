@@ -191,6 +191,9 @@ struct llama_sampler * llama_sampler_init_min_p(float p, size_t min_keep);
 struct llama_sampler * llama_sampler_init_temp(float t);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+typedef struct llama_token_data { llama_token id; float logit; float p; } llama_token_data;
+typedef struct llama_token_data_array { llama_token_data * data; size_t size; int64_t selected; bool sorted; } llama_token_data_array;
+void llama_sampler_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p);
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
 
@@ -219,6 +222,7 @@ int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct ll
 int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max);
 const char * llama_polykv_pattern_str(int32_t pattern);
 const char * llama_polykv_last_error(void);
+int64_t llama_polykv_compress_prompt(struct llama_context * ctx);
 """
 
 LIB_NAMES = {"linux": "libllama.so", "darwin": "libllama.dylib", "win32": "llama.dll"}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import codecs
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ from polykv_cpp._native import ffi
 from polykv_cpp.errors import ModelLoadError, NativeError, PlanError
 
 GGUF_MAGIC = b"GGUF"
-PREFILL_MODES = {"chunked": 0, "exact": 1}
+PREFILL_MODES = {"chunked": 0, "exact": 1, "portable": 2}
 FLASH_ATTN = {"auto": -1, "off": 0, "on": 1}
 # ggml_type ids of the KV cache types llama.cpp accepts for -ctk/-ctv
 KV_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
@@ -237,7 +237,10 @@ class Model:
         that average number of tokens per layer (b_min and proportions kept). `prefill`: "chunked" (default:
         a prompt streams through caches of budget + one ubatch, evicted after every ubatch) or "exact" (the
         whole prompt is kept in caches of n_ctx cells and compressed once when decoding starts; no memory is
-        saved, the kept sets are those of the reference for prompts of any length).
+        saved, the kept sets are those of the reference for prompts of any length) or "portable" (exact, plus
+        one cache per layer keeping the score state of every pattern: `state_bytes()` saved after a prompt
+        loads into a portable context of this model with any other plan, so that one prefill serves many
+        plans; used by the evaluation; costs the score branch of every pattern in every layer).
         """
         from polykv_cpp import plan as plan_mod
 
@@ -278,6 +281,15 @@ class Model:
         return Context(self, **kwargs)
 
 
+@dataclass
+class Snapshot:
+    """`Context.snapshot()`: the llama.cpp state (KV cache) plus the logits of the last token."""
+
+    state: bytes
+    logits: np.ndarray | None
+    pending: list[int] = field(default_factory=list)
+
+
 class Context:
     """An inference context (KV cache + compute buffers) over a `Model`."""
 
@@ -313,6 +325,7 @@ class Context:
         self._batch = self._lib.llama_batch_init(self.n_batch, 0, 1)
         self._n_past = 0
         self._pending: list[int] = []  # last sampled token, decoded lazily with the next input
+        self._restored_logits: np.ndarray | None = None  # logits of a restored snapshot, until the next decode
 
     # ---- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -350,6 +363,7 @@ class Context:
         self._lib.llama_memory_clear(self._lib.llama_get_memory(self.ptr), True)
         self._n_past = 0
         self._pending = []
+        self._restored_logits = None
 
     def seq_rm(self, seq_id: int = 0, p0: int = -1, p1: int = -1) -> bool:
         ok = bool(self._lib.llama_memory_seq_rm(self._lib.llama_get_memory(self.ptr), seq_id, p0, p1))
@@ -359,6 +373,19 @@ class Context:
 
     def pos_max(self, seq_id: int = 0) -> int:
         return self._lib.llama_memory_seq_pos_max(self._lib.llama_get_memory(self.ptr), seq_id)
+
+    def snapshot(self) -> "Snapshot":
+        """The cache (as `state_bytes`) and the logits of the last token, to `restore` later (here or into a
+        context of the same model; a portable PolyKV state into any portable context). llama.cpp's state
+        holds no logits, so they are kept next to it: generation can go on right after `restore`."""
+        last = self.logits() if self._n_past else None
+        return Snapshot(self.state_bytes(), last, list(self._pending))
+
+    def restore(self, snap: "Snapshot") -> None:
+        self.clear()
+        self.load_state_bytes(snap.state)
+        self._restored_logits = None if snap.logits is None else snap.logits.copy()
+        self._pending = list(snap.pending)
 
     def state_bytes(self) -> bytes:
         size = self._lib.llama_state_get_size(self.ptr)
@@ -379,6 +406,7 @@ class Context:
         self._pending = []
         if not tokens:
             raise ValueError("decode() needs at least one token")
+        self._restored_logits = None
         if self._n_past + len(tokens) > self.n_ctx:
             raise NativeError(f"context is full: {self._n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
         batch = self._batch
@@ -401,6 +429,8 @@ class Context:
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output `i` of the last decode() (-1: the last token); a copy."""
+        if self._restored_logits is not None and i == -1:
+            return self._restored_logits.copy()
         ptr = self._lib.llama_get_logits_ith(self.ptr, i)
         if ptr == ffi.NULL:
             raise NativeError(f"no logits for output {i}")
@@ -409,13 +439,22 @@ class Context:
 
     def generate_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 128,
                         sampler: SamplerSettings | None = None, stop_at_eog: bool = True) -> Iterator[int]:
-        """Decode the prompt, then yield up to `max_tokens` sampled token ids."""
+        """Decode the prompt, then yield up to `max_tokens` sampled token ids.
+
+        An empty prompt continues from the logits already there (after a decode or `load_state_bytes`).
+        """
         settings = sampler or SamplerSettings()
         chain = settings.build(self._lib)
         try:
-            self.decode(prompt_tokens)
+            if prompt_tokens or self._pending:
+                self.decode(prompt_tokens)
+            elif self._n_past == 0:
+                raise ValueError("generate_tokens() needs prompt tokens in an empty context")
             for i in range(max_tokens):
-                tok = self._lib.llama_sampler_sample(chain, self.ptr, -1)
+                if self._restored_logits is not None:
+                    tok = self._sample_from(chain, self._restored_logits)
+                else:
+                    tok = self._lib.llama_sampler_sample(chain, self.ptr, -1)
                 if stop_at_eog and self.model.is_eog(tok):
                     return
                 if i + 1 < max_tokens:
@@ -425,6 +464,21 @@ class Context:
                 yield tok
         finally:
             self._lib.llama_sampler_free(chain)
+
+    def _sample_from(self, chain, logits: np.ndarray) -> int:
+        """What llama_sampler_sample does, on logits held here (after `restore`)."""
+        n = len(logits)
+        arr = np.zeros(n, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+        arr["id"] = np.arange(n)
+        arr["logit"] = logits
+        data = ffi.cast("llama_token_data *", ffi.from_buffer(arr))
+        cur = ffi.new("llama_token_data_array *", {"data": data, "size": n, "selected": -1, "sorted": False})
+        self._lib.llama_sampler_apply(chain, cur)
+        if cur.selected < 0 or cur.selected >= cur.size:
+            raise NativeError("the sampler selected no token")
+        tok = int(cur.data[cur.selected].id)
+        self._lib.llama_sampler_accept(chain, tok)
+        return tok
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = 0xFFFFFFFF,
@@ -453,6 +507,15 @@ class Context:
     @property
     def polykv_active(self) -> bool:
         return bool(self._lib.llama_polykv_is_active(self.ptr))
+
+    def compress_prompt(self) -> int:
+        """In exact/portable prefill: compress the prompt fed so far now (each layer to its prefill budget)
+        instead of at the first decode step, e.g. before a question that must not steer the selection.
+        Returns the number of cells freed."""
+        n = self._lib.llama_polykv_compress_prompt(self.ptr)
+        if n < 0:
+            raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode())
+        return int(n)
 
     def kv_layer_stats(self) -> list[LayerStats]:
         """Per-layer KV memory: capacity, used cells, evictions, bytes (empty without a plan)."""

@@ -328,7 +328,10 @@ def test_end_to_end_tiny_run_writes_json_markdown_png(tiny_run):
     assert kv[("snapkv", 48)]["kv_bytes"] < kv[("fullkv", None)]["kv_bytes"]
     copied = [r for r in task_recs if r.get("reused_from")]
     assert copied and all(r["budget"] == 1024 for r in copied)
-    assert data["reuse"]["prefix_tokens_shared"] > 0 and data["reuse"]["fullkv_protocols_shared"] == 3
+    # exact prefill (default): one prefill per sample, loaded by every other run
+    assert data["reuse"]["fullkv_protocols_shared"] == 3
+    assert data["reuse"]["prompt_tokens_shared"] > 0
+    assert data["reuse"]["prompt_tokens_reused"] >= 5 * data["reuse"]["prompt_tokens_shared"]
     # perplexity / KL
     ppl = {(r["method"], r["budget"]): r for r in data["records"] if r["kind"] == "ppl"}
     assert ppl[("fullkv", None)]["kl"] == 0.0 and ppl[("fullkv", None)]["ppl"] > 1
@@ -357,16 +360,14 @@ def test_reuse_changes_nothing_that_it_claims_to_keep(tiny_run, tiny_gguf):
     a = {key(r): r for r in res["records"]}
     b = {key(r): r for r in res2["records"]}
     assert a.keys() == b.keys()
-    assert res2["reuse"]["copied_from_fullkv"] == 0 and res2["reuse"]["prefix_tokens_shared"] == 0
+    assert res2["reuse"]["copied_from_fullkv"] == 0 and res2["reuse"]["prompt_tokens_reused"] == 0
     for k, r in a.items():
-        if r.get("reused_from"):
-            # computed for real without reuse: a cache that never evicts gives FullKV's answer
-            if r["kind"] == "ppl":
-                assert b[k]["nll"] == pytest.approx(r["nll"], abs=1e-3)
-            else:
-                assert b[k]["prediction"] == r["prediction"], k
-        if r["method"] == "fullkv":
-            assert b[k].get("prediction") == r.get("prediction")
+        # without reuse every run prefills each sample itself (exact prefill): a shared prefill loaded into the
+        # run's context, and a copy from FullKV where nothing can be evicted, give the same results
+        if r["kind"] == "ppl":
+            assert b[k]["nll"] == pytest.approx(r["nll"], abs=1e-3), k
+        else:
+            assert b[k]["prediction"] == r["prediction"], k
 
 
 def test_resume_skips_finished_work_and_refuses_another_config(tiny_run, tiny_gguf):
@@ -426,6 +427,9 @@ class _FakeCtx:
     def state_bytes(self):
         return json.dumps(self.batches).encode()
 
+    def compress_prompt(self):
+        self.batches.append(["compress"])
+
     def load_state_bytes(self, b):
         self.batches = json.loads(b)
 
@@ -442,12 +446,14 @@ class _FakeModel:
 
 @pytest.mark.parametrize("reuse", [True, False])
 def test_protocols_feed_the_same_tokens_split_where_they_should(tmp_path, reuse):
-    """Query-aware = part 1 + part 2 in one stream; query-agnostic = part 1, then part 2 as its own batch. With
-    reuse, both start from the state after the last full ubatch of part 1 (batch boundaries are unchanged)."""
+    """Chunked prefill: query-aware = part 1 + part 2 in one stream; query-agnostic = part 1, then part 2 as its
+    own batch. With reuse, both start from the state after the last full ubatch of part 1 (batch boundaries are
+    unchanged)."""
     from polykv_cpp.plan import uniform_plan
     from polykv_cpp.evaluation.runner import Run
 
-    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, reuse=reuse, progress=False)
+    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, reuse=reuse, progress=False,
+                     prefill="chunked")
     ev = Evaluator(cfg, log=lambda m: None)
     ev.model = _FakeModel()
     ev.n_ctx = 4096
@@ -469,6 +475,33 @@ def test_protocols_feed_the_same_tokens_split_where_they_should(tmp_path, reuse)
     recs = [r for r in ev.records.values()]
     assert {r["protocol"] for r in recs} == {"query-aware", "query-agnostic"} and all(r["prediction"] == "x"
                                                                                     for r in recs)
+
+
+def test_exact_prefill_without_reuse_compresses_the_context_before_the_question(tmp_path):
+    from polykv_cpp.plan import uniform_plan
+    from polykv_cpp.evaluation.runner import Run
+
+    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, reuse=False, progress=False)
+    assert cfg.prefill == "exact"
+    ev = Evaluator(cfg, log=lambda m: None)
+    ev.model = _FakeModel()
+    ev.n_ctx = 4096
+    s = T.make_ruler_sample("qa", 2000, 0, 0, 3)
+    p1, p2 = list(range(1, 301)), list(range(1000, 1040))
+    ev.prompts[s.key] = T.Prompt(p1, p2)
+    ctx = _FakeCtx()
+    ev._run_sample(ctx, Run("h2o", 48, uniform_plan(2, "h2o", 48)), s)
+    agnostic, aware = ctx.seen
+    assert agnostic == [p1, ["compress"], p2] and aware == [p1 + p2]
+
+
+def test_chunked_prefill_end_to_end(tiny_gguf, tmp_path):
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path), png=False, prefill="chunked",
+                     **{**TINY_BASE, "tasks": ["niah_single"], "budgets": [48], "ppl_tokens": 4})
+    res = run_eval(cfg, log=lambda m: None)
+    assert res["reuse"]["prefix_tokens_shared"] > 0 and res["reuse"]["prompt_tokens_shared"] == 0
+    assert {r["method"] for r in res["records"]} == set(res["methods"])
+    assert "chunked" in (tmp_path / "results.md").read_text()
 
 
 def test_keeps_everything():

@@ -321,3 +321,114 @@ def test_plan_settings_die_with_their_model(tmp_path):
             m4.set_plan(plan_mod.uniform_plan(4, "streamingllm", 16, n_sink=2), prefill="exact")
         with Model(two) as m2, m2.context(n_ctx=256) as ctx:
             assert not ctx.polykv_active
+
+
+def mixed_plan() -> plan_mod.Plan:
+    """Layer 0 SnapKV, layer 1 H2O prefill then TOVA decode: score state of three kinds in one context."""
+    pre0 = plan_mod.PhasePlan("snapkv", budget=B_PREFILL, **PHASE_PARAMS["snapkv"])
+    dec0 = plan_mod.PhasePlan("streamingllm", budget=B_DECODE, **PHASE_PARAMS["streamingllm"])
+    pre1 = plan_mod.PhasePlan("h2o", budget=B_PREFILL, **PHASE_PARAMS["h2o"])
+    dec1 = plan_mod.PhasePlan("tova", budget=B_DECODE, **PHASE_PARAMS["tova"])
+    return plan_mod.Plan(version=1, n_layer=2, budget_avg=B_PREFILL, b_min=1, budget_rule="test",
+                         layers=[plan_mod.LayerPlan(0, pre0, dec0), plan_mod.LayerPlan(1, pre1, dec1)],
+                         exact_total=False)
+
+
+PORTABLE_PLANS = {
+    **{p: lambda p=p: plan_mod.uniform_plan(CFG.n_layer, p, B_PREFILL, **PHASE_PARAMS[p]) for p in PHASE_PARAMS},
+    "mixed": mixed_plan,
+}
+
+
+def follow(ctx, rest):
+    """Teacher-force `rest`; kept positions of both layers and logits after each token."""
+    out = []
+    for t in rest:
+        ctx.decode([t])
+        out.append(([ctx.kept_positions(il) for il in range(CFG.n_layer)], ctx.logits()))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(PORTABLE_PLANS))
+def test_portable_state_of_one_prefill_serves_every_plan(twin, tokens, name):
+    """A prompt prefilled once in a portable FullKV context, loaded into a portable context with a plan, gives
+    the kept sets and logits of that plan's own exact prefill (query-aware and query-agnostic)."""
+    _, path = twin
+    plan = PORTABLE_PLANS[name]()
+    full = plan_mod.uniform_plan(CFG.n_layer, "fullkv", 256)
+    q = 6  # the last q prompt tokens play the question of the query-agnostic protocol
+    with Model(path) as model:
+        kw = dict(n_ctx=256, n_batch=16, n_ubatch=16)
+        model.set_plan(plan, prefill="exact")
+        with model.context(**kw) as ctx:
+            ctx.decode(tokens[:P])
+            aware_ref = follow(ctx, tokens[P:])
+            ctx.clear()
+            ctx.decode(tokens[:P - q])
+            assert ctx.compress_prompt() > 0
+            agnostic_kept = [ctx.kept_positions(il) for il in range(CFG.n_layer)]
+            ctx.decode(tokens[P - q:P])
+            agnostic_ref = follow(ctx, tokens[P:])
+        model.set_plan(full, prefill="portable")
+        with model.context(**kw) as src:
+            src.decode(tokens[:P - q])
+            s1 = src.state_bytes()
+            src.decode(tokens[P - q:P])
+            s2 = src.state_bytes()
+        model.set_plan(plan, prefill="portable")
+        with model.context(**kw) as ctx:
+            ctx.load_state_bytes(s2)
+            aware = follow(ctx, tokens[P:])
+            ctx.clear()
+            ctx.load_state_bytes(s1)
+            ctx.compress_prompt()
+            assert [ctx.kept_positions(il) for il in range(CFG.n_layer)] == agnostic_kept
+            ctx.decode(tokens[P - q:P])
+            agnostic = follow(ctx, tokens[P:])
+    for got, ref in ((aware, aware_ref), (agnostic, agnostic_ref)):
+        for step, ((k, lg), (k_ref, lg_ref)) in enumerate(zip(got, ref)):
+            assert k == k_ref, f"step {step}"
+            np.testing.assert_allclose(lg, lg_ref, atol=1e-5, rtol=0)
+    assert [len(k) for k in aware[-1][0]] == [plan.layers[il].decode.budget for il in range(CFG.n_layer)]
+
+
+def test_portable_state_is_refused_by_a_non_portable_context(twin, tokens):
+    _, path = twin
+    with Model(path) as model:
+        model.set_plan(plan_mod.uniform_plan(CFG.n_layer, "fullkv", 256), prefill="portable")
+        with model.context(n_ctx=256) as src:
+            src.decode(tokens[:P])
+            state = src.state_bytes()
+        model.set_plan(plan_mod.uniform_plan(CFG.n_layer, "streamingllm", 16, n_sink=2), prefill="exact")
+        with model.context(n_ctx=256) as ctx:
+            with pytest.raises(NativeError):
+                ctx.load_state_bytes(state)
+
+
+def test_compress_prompt_needs_a_plan(twin):
+    _, path = twin
+    with Model(path) as model, model.context(n_ctx=64) as ctx:
+        with pytest.raises(NativeError, match="no PolyKV plan"):
+            ctx.compress_prompt()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_snapshot_restores_the_logits_and_generation_goes_on(twin, tokens, temperature):
+    """llama.cpp's state holds no logits: a snapshot keeps them, and sampling from them after `restore` (in
+    Python) picks what llama_sampler_sample picks in the original context."""
+    from polykv_cpp.api import SamplerSettings
+
+    _, path = twin
+    settings = SamplerSettings(temperature=temperature, seed=7)
+    with Model(path) as model:
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(tokens[:P])
+            snap = ctx.snapshot()
+            ref = list(ctx.generate_tokens([], max_tokens=6, sampler=settings))
+        with model.context(n_ctx=256) as ctx2:
+            ctx2.restore(snap)
+            np.testing.assert_array_equal(ctx2.logits(), snap.logits)
+            assert list(ctx2.generate_tokens([], max_tokens=6, sampler=settings)) == ref
+            with pytest.raises(ValueError):
+                ctx2.clear()
+                next(ctx2.generate_tokens([], max_tokens=1))

@@ -217,7 +217,10 @@ struct polykv_override {
 
 static std::mutex g_mutex;
 static std::map<const llama_model *, polykv_override> g_overrides;
-static std::map<const llama_model *, bool> g_prefill_exact;
+static std::map<const llama_model *, int32_t> g_prefill_mode;
+
+// portable prefill keeps the last rows of this many queries (SnapKV/PyramidKV plans read at most this many)
+static const int32_t POLYKV_PORTABLE_OBS_WINDOW = 64;
 static std::string g_last_error;
 
 static void set_last_error(const std::string & msg) {
@@ -302,14 +305,14 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         const llama_model & model,
       const llama_hparams & hparams,
         llama_polykv_plan   plan_in,
-                     bool   prefill_exact,
+                  int32_t   prefill_mode,
                 ggml_type   type_k,
                 ggml_type   type_v,
                      bool   v_trans,
                      bool   offload,
                  uint32_t   n_ctx,
                  uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
-                                        prefill_exact(prefill_exact) {
+                                        prefill_exact(prefill_mode != 0), portable(prefill_mode == 2) {
     const int32_t n_layer = (int32_t) hparams.n_layer();
     layer_group.assign(n_layer, -1);
 
@@ -324,7 +327,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         const bool positional = !lp[0].needs_scores() && !lp[1].needs_scores() &&
                                 lp[0].pattern != LLAMA_POLYKV_KNORM && lp[1].pattern != LLAMA_POLYKV_KNORM;
         int32_t g_found = -1;
-        if (positional) {
+        if (positional && !portable) {
             for (size_t g = 0; g < groups.size(); ++g) {
                 const auto & grp = groups[g];
                 if (grp.is_swa == is_swa && !grp.needs_scores() && !grp.needs(LLAMA_POLYKV_KNORM) &&
@@ -338,6 +341,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             groups.emplace_back();
             groups.back().phase  = lp;
             groups.back().is_swa = is_swa;
+            groups.back().collect_all = portable;
             g_found = (int32_t) groups.size() - 1;
         }
         groups[g_found].layers.push_back(il);
@@ -494,14 +498,16 @@ size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     return total;
 }
 
-static const uint32_t POLYKV_STATE_MAGIC = 0x504b5631; // "PKV1"
+static const uint32_t POLYKV_STATE_MAGIC = 0x504b5632; // "PKV2"
 
 // after each group's cells: the score state of every kept token, keyed by position (a restore may place
 // tokens in other cells), so that a restored cache goes on evicting as the saved one would have
 void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
     const uint32_t n = groups.size();
+    const uint8_t pending = prompt_pending ? 1 : 0;
     io.write(&POLYKV_STATE_MAGIC, sizeof(POLYKV_STATE_MAGIC));
     io.write(&n, sizeof(n));
+    io.write(&pending, sizeof(pending));
     for (const auto & grp : groups) {
         io.write(&grp.capacity, sizeof(grp.capacity));
         grp.kv->state_write(io, seq_id, flags);
@@ -533,11 +539,16 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
 void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
     uint32_t magic = 0;
     uint32_t n = 0;
+    uint8_t  pending = 0;
     io.read(&magic, sizeof(magic));
     io.read(&n, sizeof(n));
+    io.read(&pending, sizeof(pending));
     if (magic != POLYKV_STATE_MAGIC || n != groups.size()) {
-        throw std::runtime_error("PolyKV: the saved state does not come from a context with the same plan");
+        throw std::runtime_error("PolyKV: the saved state does not come from a context with the same plan "
+                                 "(or, in portable prefill mode, from another portable context of this model)");
     }
+    // a prompt saved before its compression is compressed at the next decode step (exact modes)
+    prompt_pending = prefill_exact && pending != 0;
     for (auto & grp : groups) {
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));
@@ -601,7 +612,7 @@ void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & ce
 }
 
 static int32_t ring_size(const llama_kv_cache_poly::group & grp) {
-    int32_t w = 0;
+    int32_t w = grp.collect_all ? POLYKV_PORTABLE_OBS_WINDOW : 0;
     for (int p = 0; p < 2; ++p) {
         if (grp.phase[p].pattern == LLAMA_POLYKV_SNAPKV || grp.phase[p].pattern == LLAMA_POLYKV_PYRAMIDKV) {
             w = std::max(w, grp.phase[p].obs_window);
@@ -767,11 +778,19 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
 
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
     if (prompt_pending && ubatch.n_tokens == 1) {
-        for (auto & grp : groups) {
-            evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
-        }
-        prompt_pending = false;
+        compress_prompt();
     }
+}
+
+uint64_t llama_kv_cache_poly::compress_prompt() {
+    uint64_t n_freed = 0;
+    for (auto & grp : groups) {
+        const uint64_t n0 = grp.n_evicted;
+        evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
+        n_freed += grp.n_evicted - n0;
+    }
+    prompt_pending = false;
+    return n_freed;
 }
 
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
@@ -986,17 +1005,18 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     if (!llama_polykv_plan_resolve(plan, kv_budget, cparams.n_ctx_seq, err)) {
         throw std::runtime_error("PolyKV: " + err);
     }
-    bool prefill_exact = false;
+    int32_t prefill_mode = 0;
     {
         std::lock_guard<std::mutex> lock(g_mutex);
-        auto it = g_prefill_exact.find(&model);
-        if (it != g_prefill_exact.end()) {
-            prefill_exact = it->second;
+        auto it = g_prefill_mode.find(&model);
+        if (it != g_prefill_mode.end()) {
+            prefill_mode = it->second;
         } else if (const char * env = getenv("LLAMA_POLYKV_PREFILL")) {
-            prefill_exact = std::string(env) == "exact";
+            const std::string v = env;
+            prefill_mode = v == "exact" ? 1 : v == "portable" ? 2 : 0;
         }
     }
-    auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_exact, params.type_k, params.type_v, !cparams.flash_attn,
+    auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_mode, params.type_k, params.type_v, !cparams.flash_attn,
                                          cparams.offload_kqv, cparams.n_ctx_seq, cparams.n_ubatch);
     uint64_t cells = 0;
     uint64_t bytes = 0;
@@ -1007,7 +1027,7 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     const uint64_t full_cells = (uint64_t) cparams.n_ctx_seq * hparams.n_layer();
     LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
             __func__, source.c_str(), kv_budget > 0 ? (", kv-budget " + std::to_string(kv_budget)).c_str() : "",
-            prefill_exact ? ", exact prefill" : "",
+            prefill_mode == 1 ? ", exact prefill" : prefill_mode == 2 ? ", exact portable prefill" : "",
             hparams.n_layer(), mem->n_groups(), cells, full_cells, bytes / 1024.0 / 1024.0, 100.0 * cells / std::max<uint64_t>(full_cells, 1));
     return mem;
 }
@@ -1120,19 +1140,19 @@ int32_t llama_polykv_set_model_plan(struct llama_model * model, const char * pla
 }
 
 int32_t llama_polykv_set_model_prefill_mode(struct llama_model * model, int32_t mode) {
-    if (!model || (mode != 0 && mode != 1)) {
-        set_last_error("prefill mode must be 0 (chunked) or 1 (exact)");
+    if (!model || mode < 0 || mode > 2) {
+        set_last_error("prefill mode must be 0 (chunked), 1 (exact) or 2 (exact, portable state)");
         return -1;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_prefill_exact[model] = mode == 1;
+    g_prefill_mode[model] = mode;
     return 0;
 }
 
 void llama_polykv_forget_model(const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_overrides.erase(model);
-    g_prefill_exact.erase(model);
+    g_prefill_mode.erase(model);
 }
 
 static llama_kv_cache_poly * get_poly(const struct llama_context * ctx) {
@@ -1141,6 +1161,15 @@ static llama_kv_cache_poly * get_poly(const struct llama_context * ctx) {
 
 bool llama_polykv_is_active(const struct llama_context * ctx) {
     return get_poly(ctx) != nullptr;
+}
+
+int64_t llama_polykv_compress_prompt(struct llama_context * ctx) {
+    auto * poly = get_poly(ctx);
+    if (!poly) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    return (int64_t) poly->compress_prompt();
 }
 
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max) {

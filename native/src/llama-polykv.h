@@ -102,16 +102,17 @@ public:
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
 
         bool is_swa = false; // sliding-window layers: the window masks, eviction may shrink further
+        bool collect_all = false; // portable prefill: keep the score state of every pattern
 
-        bool needs_scores() const { return phase[0].needs_scores() || phase[1].needs_scores(); }
-        bool needs(llama_polykv_pattern p) const { return phase[0].pattern == p || phase[1].pattern == p; }
+        bool needs_scores() const { return collect_all || phase[0].needs_scores() || phase[1].needs_scores(); }
+        bool needs(llama_polykv_pattern p) const { return collect_all || phase[0].pattern == p || phase[1].pattern == p; }
     };
 
     llama_kv_cache_poly(
             const llama_model & model,
           const llama_hparams & hparams,
             llama_polykv_plan   plan,
-                         bool   prefill_exact,
+                      int32_t   prefill_mode,
                     ggml_type   type_k,
                     ggml_type   type_v,
                          bool   v_trans,
@@ -167,6 +168,9 @@ public:
 
     // after a ubatch was computed: read the score outputs and evict every group down to its budget
     void after_ubatch(llama_context * lctx, const llama_ubatch & ubatch);
+    // exact prefill modes: compress the prompt fed so far now instead of at the first decode step;
+    // returns the number of cells freed over all groups
+    uint64_t compress_prompt();
 
     // kept positions of a layer (sorted)
     std::vector<llama_pos> kept_positions(int32_t il) const;
@@ -181,8 +185,11 @@ private:
 
     const uint32_t n_ctx;
 
-    // exact prefill: keep the whole prompt, compress it once when decoding starts (caches of n_ctx cells)
+    // exact prefill: keep the whole prompt, compress it once when decoding starts (caches of n_ctx cells);
+    // portable (mode 2): also one group per layer that keeps the score state of every pattern, so that the
+    // state saved after a prompt can be restored into a portable context with any other plan
     const bool prefill_exact;
+    const bool portable;
     bool prompt_pending = false;
 
     std::vector<group>   groups;

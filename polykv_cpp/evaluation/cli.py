@@ -88,6 +88,7 @@ def build_config(args: argparse.Namespace) -> Any:
     cfg.n_ctx = args.ctx_size
     cfg.n_batch = args.batch_size
     cfg.n_ubatch = args.ubatch_size
+    cfg.prefill = args.prefill
     cfg.flash_attn = args.flash_attn
     cfg.type_k = args.cache_type_k
     cfg.type_v = args.cache_type_v
@@ -184,7 +185,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("-c", "--ctx-size", type=int, default=None, help="default: longest sample, rounded up")
     g.add_argument("-b", "--batch-size", type=int, default=2048)
     g.add_argument("-ub", "--ubatch-size", type=int, default=512,
-                   help="ubatch; prefill is compressed after every ubatch")
+                   help="ubatch; with --prefill chunked the prompt is compressed after every ubatch")
+    g.add_argument("--prefill", choices=["exact", "chunked"], default="exact",
+                   help="exact (default): compress the prompt once, as the papers and kvpress do; one prefill per "
+                        "sample is shared by every method and budget. chunked: the runtime's streaming prefill, "
+                        "compressed after every ubatch; every method prefills every sample (slower)")
     g.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")

@@ -198,8 +198,9 @@ def to_markdown(data: Mapping[str, Any]) -> str:
         L.append("")
     L.append(f"- model: `{env.get('model')}` ({env.get('arch')}, {env.get('n_layer')} layers)")
     L.append(f"- device: {env.get('device')}, {env.get('n_threads')} threads; n_ctx {env.get('n_ctx')}, "
-             f"n_ubatch {cfg.get('n_ubatch')} (prefill is compressed after every ubatch), KV "
-             f"{cfg.get('type_k')}/{cfg.get('type_v')}; chat format: {env.get('chat_format')}")
+             f"n_ubatch {cfg.get('n_ubatch')}, KV {cfg.get('type_k')}/{cfg.get('type_v')}; chat format: "
+             f"{env.get('chat_format')}")
+    L.append(f"- prefill: {data.get('prefill') or 'chunked: compressed after every ubatch'}")
     L.append(f"- polykv-cpp {env.get('polykv_cpp')}, llama.cpp {env.get('llama_cpp')}; seed {cfg.get('seed')}; "
              f"{env.get('elapsed_s')} s")
     L.append(f"- lengths (prompt + answer budget, tokens of this model): {', '.join(map(str, lengths))}; "

@@ -48,14 +48,25 @@ FULLKV = "fullkv"
 BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
 DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
 PROTOCOLS = ("query-agnostic", "query-aware")
+PREFILL_MODES = ("exact", "chunked")
+PREFILL_TEXT = {
+    "exact": "exact (compress once): every method keeps the whole prompt and compresses it once, when the answer "
+             "starts (query-aware) or right after the context (query-agnostic), as SnapKV, PyramidKV and kvpress "
+             "do; the prompt of a sample is prefilled once and its cache and attention statistics are shared by "
+             "every method and budget (portable state)",
+    "chunked": "chunked (the runtime's default): the prompt streams through caches of budget + one ubatch and is "
+               "compressed after every ubatch; every (method, budget) prefills every sample itself",
+}
+# the portable state keeps the attention rows of this many last queries (native POLYKV_PORTABLE_OBS_WINDOW)
+PORTABLE_OBS_WINDOW = 64
 PROTOCOL_TEXT = {
     "query-aware": "the question is part of the compressed prompt (one prefill of context + question), as in "
                    "LongBench prompts; SnapKV-like patterns see the question in their observation window",
     "query-agnostic": "the context is prefilled and compressed first, then the question is fed as a second "
-                      "batch (a prefill ubatch of its own), then the answer is generated; what a chat user with "
-                      "a long document gets",
-    "teacher-forced": "perplexity/KL: prefill of length - ppl_tokens tokens (compressed chunk by chunk), then "
-                      "ppl_tokens tokens fed one at a time (decode phase) and scored",
+                      "batch (evicted to the budget when the answer starts), then the answer is generated; what a "
+                      "chat user with a long document gets",
+    "teacher-forced": "perplexity/KL: prefill of length - ppl_tokens tokens (compressed as the prefill mode "
+                      "says), then ppl_tokens tokens fed one at a time (decode phase) and scored",
 }
 BUDGET_TEXT = ("budget = average tokens kept per layer (sum over layers = n_layer x budget), sinks and windows "
                "included; each (method, budget) also lists its KV bytes and the budget as a share of the context")
@@ -97,6 +108,7 @@ class EvalConfig:
     n_ctx: int | None = None  # None: the longest sample + answer, rounded up to 256
     n_batch: int = 2048
     n_ubatch: int = 512
+    prefill: str = "exact"  # exact | chunked (see PREFILL_TEXT)
     flash_attn: str = "auto"
     type_k: str = "f16"
     type_v: str = "f16"
@@ -125,6 +137,8 @@ class EvalConfig:
             raise EvalError("--samples must be >= 0 and --ppl-tokens >= 1")
         if self.ppl and self.ppl_tokens >= min(self.lengths):
             raise EvalError(f"--ppl-tokens {self.ppl_tokens} must be below the shortest length {min(self.lengths)}")
+        if self.prefill not in PREFILL_MODES:
+            raise EvalError(f"unknown prefill mode {self.prefill!r} (known: {', '.join(PREFILL_MODES)})")
         if self.plan_from_gguf not in ("auto", "yes", "no"):
             raise EvalError("plan_from_gguf must be auto, yes or no")
         if self.chat_template != "auto" and self.chat_template not in T.CHAT_FORMATS:
@@ -240,7 +254,7 @@ class Evaluator:
         self.notes: list[str] = []
         self.reuse = {"tokenization": "", "fullkv_protocols_shared": 0, "copied_from_fullkv": 0,
                       "prefix_tokens_shared": 0, "prefix_tokens_total": 0, "ppl_fullkv_reference_runs": 0,
-                      "contexts_created": 0}
+                      "contexts_created": 0, "prompt_tokens_shared": 0, "prompt_tokens_reused": 0}
         self.runs: list[Run] = []
         self.model = None
         self.samples: list[T.Sample] = []
@@ -351,7 +365,8 @@ class Evaluator:
 
     def fingerprint(self) -> dict[str, Any]:
         cfg = self.cfg
-        return {"model": _file_id(self.model_path), "seed": cfg.seed, "chat": self.chat, "n_ubatch": cfg.n_ubatch,
+        return {"model": _file_id(self.model_path), "seed": cfg.seed, "chat": self.chat, "prefill": cfg.prefill,
+                "n_ubatch": cfg.n_ubatch,
                 "n_batch": cfg.n_batch, "type_k": cfg.type_k, "type_v": cfg.type_v, "flash_attn": cfg.flash_attn,
                 "haystack": cfg.haystack, "max_new_tokens": cfg.max_new_tokens, "ppl_tokens": cfg.ppl_tokens,
                 "ppl_texts": sorted({s.name for s, _ in self.ppl_units}),
@@ -397,6 +412,13 @@ class Evaluator:
                 except PlanError as e:
                     run.status = f"skipped: {e}"
                 runs.append(run)
+        if cfg.prefill == "exact":
+            for r in runs:
+                w = max((pp.obs_window or 0 for lp in (r.plan.layers if r.plan else [])
+                         for pp in (lp.prefill, lp.decode) if pp.pattern in plan_mod.OBS_WINDOW_PATTERNS), default=0)
+                if w > PORTABLE_OBS_WINDOW and r.status == "pending":
+                    r.status = (f"skipped: obs_window {w} > {PORTABLE_OBS_WINDOW} cannot share the prefill "
+                                "(run with --prefill chunked)")
         # one probe: can this model run a PolyKV plan at all (gemma3 and other archs are refused)?
         probe = next((r for r in runs if r.plan is not None and r.status == "pending"), None)
         if probe is not None:
@@ -426,9 +448,15 @@ class Evaluator:
             m.set_plan(None)
 
     # ---- contexts ------------------------------------------------------------------------------------
-    def _context(self, run: Run):
+    def _context(self, run: Run, prefill: str = "chunked"):
+        """A context for `run` (chunked), or a portable one (`prefill="portable"`; FullKV = a FullKV plan)."""
+        from polykv_cpp import plan as plan_mod
+
         cfg = self.cfg
-        self.model.set_plan(run.plan)
+        plan = run.plan
+        if plan is None and prefill == "portable":
+            plan = plan_mod.uniform_plan(self.n_layer, plan_mod.FULLKV, self.n_ctx)
+        self.model.set_plan(plan, prefill=prefill)
         self.reuse["contexts_created"] += 1
         return self.model.context(n_ctx=self.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                   n_threads=cfg.n_threads, flash_attn=cfg.flash_attn, type_k=cfg.type_k,
@@ -506,7 +534,8 @@ class Evaluator:
                 return
         p1, p2 = prompt.part1, prompt.part2
         P = (len(p1) // cfg.n_ubatch) * cfg.n_ubatch
-        share = cfg.reuse and len(todo) == 2 and P > 0 and cfg.n_batch % cfg.n_ubatch == 0
+        share = (cfg.reuse and cfg.prefill == "chunked" and len(todo) == 2 and P > 0
+                 and cfg.n_batch % cfg.n_ubatch == 0)
         self.reuse["prefix_tokens_total"] += len(p1) * len(todo)
         state = None
         if share:
@@ -526,8 +555,95 @@ class Evaluator:
             else:
                 if len(p1) > start:
                     ctx.decode(p1[start:])
+                if cfg.prefill == "exact":
+                    ctx.compress_prompt()
                 pred, n = self._generate(ctx, p2, sample)
             self._record(sample, p, run, pred, n, prefix_shared=P if share else 0)
+
+    def _run_sample_shared(self, sample: T.Sample, runs: list[Run], bar) -> None:
+        """Exact prefill: one prefill of the sample serves every (method, budget) and both protocols.
+
+        A portable FullKV context prefills part 1 (state S1) and then part 2 (state S2) and generates FullKV's
+        answer. Every other run loads S2 (query-aware: compressed at the first answer token) or S1 (query-agnostic:
+        compressed now, then the question is fed) into a portable context with its own plan. The native portable
+        state carries the cache and the attention statistics of every pattern, so this equals prefilling the
+        sample in each run (tests/test_polykv_native.py checks kept positions and logits).
+        """
+        from polykv_cpp.errors import NativeError
+
+        cfg = self.cfg
+        prompt = self.prompts[sample.key]
+        p1, p2 = prompt.part1, prompt.part2
+        n_total = prompt.n_prompt + sample.max_new_tokens
+        work = [(r, [p for p in cfg.protocols if not self._done(sample, p, r)]) for r in runs]
+        work = [(r, todo) for r, todo in work if todo]
+        if not work:
+            bar.update(len(runs))
+            return
+        bar.update(len(runs) - len(work))
+        full = next((r for r in self.runs if r.method == FULLKV), Run(FULLKV, None, None))
+        t0 = time.time()
+        src = self._context(full, prefill="portable")
+        try:
+            src.decode(p1)
+            s1 = src.snapshot() if "query-agnostic" in cfg.protocols else None
+            src.decode(p2)
+            s2 = src.snapshot() if "query-aware" in cfg.protocols else None
+            self.reuse["prompt_tokens_shared"] += len(p1) + len(p2)
+            fk_todo = [p for p in cfg.protocols if not self._done(sample, p, full)]
+            if fk_todo:
+                pred, n = self._generate(src, [], sample)
+                for i, p in enumerate(fk_todo):
+                    self._record(sample, p, full, pred, n, shared_with=fk_todo[0] if i else None)
+                self.reuse["fullkv_protocols_shared"] += len(fk_todo) - 1
+        finally:
+            src.close()
+        full.info["task_seconds"] = round(full.info.get("task_seconds", 0) + time.time() - t0, 2)
+        for run, todo in work:
+            bar.set_postfix_str(f"{run.key} {sample.task}@{sample.length}")
+            if run.method == FULLKV:
+                bar.update(1)
+                continue
+            t0 = time.time()
+            if cfg.reuse and keeps_everything(run.plan, n_total, self.n_ctx):
+                for p in todo:
+                    r = self._fullkv_record(sample, p)
+                    self._record(sample, p, run, r["prediction"], r["n_generated"],  # type: ignore[index]
+                                 reused_from=f"{FULLKV} (every layer keeps all {n_total} tokens)")
+                self.reuse["copied_from_fullkv"] += len(todo)
+                bar.update(1)
+                continue
+            try:
+                ctx = self._context(run, prefill="portable")
+            except (NativeError, PlanError) as e:
+                run.status = f"unsupported: {str(e).splitlines()[0][:300]}"
+                bar.update(1)
+                continue
+            try:
+                for p in todo:
+                    if p == "query-aware":
+                        ctx.restore(s2)  # type: ignore[arg-type]
+                        pred, n = self._generate(ctx, [], sample)
+                    else:
+                        ctx.restore(s1)  # type: ignore[arg-type]
+                        ctx.compress_prompt()
+                        pred, n = self._generate(ctx, p2, sample)
+                    self._record(sample, p, run, pred, n, prefill_shared=True)
+                self.reuse["prompt_tokens_reused"] += len(p1) + (len(p2) if "query-aware" in todo else 0)
+            finally:
+                ctx.close()
+            if not run.info.get("kv_bytes"):
+                self._kv_info_chunked(run)
+            run.info["task_seconds"] = round(run.info.get("task_seconds", 0) + time.time() - t0, 2)
+            bar.update(1)
+
+    def _kv_info_chunked(self, run: Run) -> None:
+        """KV bytes of `run` as the runtime allocates them (chunked prefill), from a context that decodes nothing."""
+        ctx = self._context(run)
+        try:
+            self._kv_info(run, ctx)
+        finally:
+            ctx.close()
 
     # ---- perplexity ----------------------------------------------------------------------------------
     def _ppl_unit(self, src: T.TextSource, L: int, pending: list[Run], bar) -> None:
@@ -539,16 +655,28 @@ class Evaluator:
         ctx_ids, eval_ids = ids[:L - M], ids[L - M:]
         ref: np.ndarray | None = None
         full_run = next((r for r in self.runs if r.method == FULLKV), None)
+        exact = cfg.prefill == "exact"
+        portable = exact and cfg.reuse
+        shared: dict[str, Any] = {}
 
         def teacher_forced(run: Run) -> tuple[np.ndarray, list[float], list[int]]:
+            # exact prefill: the FullKV reference (the first call) saves its prefilled state, every other run
+            # loads it into its own portable context and is compressed at the first scored token
             t0 = time.time()
             try:
-                ctx = self._context(run)
+                ctx = self._context(run, prefill="portable" if portable else cfg.prefill if run.plan else "chunked")
             except (NativeError, PlanError) as e:
                 run.status = f"unsupported: {str(e).splitlines()[0][:300]}"
                 raise _Unsupported() from None
             try:
-                ctx.decode(ctx_ids)
+                if portable and "state" in shared:
+                    ctx.restore(shared["state"])
+                    self.reuse["prompt_tokens_reused"] += len(ctx_ids)
+                else:
+                    ctx.decode(ctx_ids)
+                    if portable:
+                        shared["state"] = ctx.snapshot()
+                        self.reuse["prompt_tokens_shared"] += len(ctx_ids)
                 logps, nll, top = [], [], []
                 for i, t in enumerate(eval_ids):
                     lp = scoring.log_softmax(ctx.logits())
@@ -558,7 +686,10 @@ class Evaluator:
                     if i + 1 < len(eval_ids):
                         ctx.decode([t])
                 if not run.info.get("kv_bytes"):
-                    self._kv_info(run, ctx)
+                    if cfg.prefill == "exact" and run.plan is not None:
+                        self._kv_info_chunked(run)
+                    else:
+                        self._kv_info(run, ctx)
             finally:
                 ctx.close()
                 run.info["ppl_seconds"] = round(run.info.get("ppl_seconds", 0) + time.time() - t0, 2)
@@ -621,7 +752,14 @@ class Evaluator:
         bar = tqdm(total=n_task_units + n_ppl_units, desc="eval", unit="unit", disable=not cfg.progress,
                    dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
         try:
-            for run in active:
+            if cfg.prefill == "exact" and cfg.reuse:
+                for s in self.samples:
+                    self._run_sample_shared(s, [r for r in active if not r.status.startswith("unsupported")], bar)
+                    writer.write(self.results(partial=True))
+                active_tasks: list[Run] = []
+            else:
+                active_tasks = active
+            for run in active_tasks:
                 if not self.samples:
                     break
                 todo = [s for s in self.samples if any(not self._done(s, p, run) for p in cfg.protocols)]
@@ -631,7 +769,7 @@ class Evaluator:
                     continue
                 t0 = time.time()
                 try:
-                    ctx = self._context(run)
+                    ctx = self._context(run, prefill=cfg.prefill if run.plan is not None else "chunked")
                 except (NativeError, PlanError) as e:
                     run.status = f"unsupported: {str(e).splitlines()[0][:300]}"
                     bar.update(len(todo))
@@ -677,16 +815,21 @@ class Evaluator:
         m = self.model
         shared, total = self.reuse["prefix_tokens_shared"], self.reuse["prefix_tokens_total"]
         reuse = dict(self.reuse)
+        exact = cfg.prefill == "exact" and cfg.reuse
+        n_sh, n_re = self.reuse["prompt_tokens_shared"], self.reuse["prompt_tokens_reused"]
         reuse["summary"] = [
-            "model loaded once; one context per (method, budget), cleared between samples",
+            "model loaded once; " + ("one portable context per (sample, method, budget)" if exact else
+                                     "one context per (method, budget), cleared between samples"),
             self.reuse["tokenization"],
+            *([f"exact prefill: {n_sh} prompt tokens prefilled once (FullKV, portable state) and loaded instead of "
+               f"prefilled {n_re} times over by the other methods and budgets"] if exact else []),
             f"FullKV: one generation per sample served both protocols ({self.reuse['fullkv_protocols_shared']} "
             "results shared) and is the reference of every budget",
             f"{self.reuse['copied_from_fullkv']} results copied from FullKV because the (method, budget) keeps "
             "every token of the sample (nothing can be evicted)",
             f"prefill state shared by the two protocols: {shared} part-1 tokens computed once instead of twice, "
             f"{100 * shared / total:.0f}% of the {total} part-1 tokens the compressed runs would otherwise feed"
-            if total else "prefill state sharing: not used",
+            if total else "prefill state sharing between protocols (chunked): not used",
             f"perplexity: {self.reuse['ppl_fullkv_reference_runs']} FullKV reference run(s), each kept in memory "
             "for the KL of every other method and budget at that text and length",
         ]
@@ -703,6 +846,7 @@ class Evaluator:
                 "elapsed_s": round(time.time() - self.t_start, 1),
             },
             "protocols": {p: PROTOCOL_TEXT[p] for p in [*cfg.protocols, "teacher-forced"]},
+            "prefill": PREFILL_TEXT[cfg.prefill],
             "budget_definition": BUDGET_TEXT,
             "methods": self.methods,
             "plans": {n: {"origin": self.plan_origin.get(n), "summary": p.summary(), "b_min": p.b_min,
