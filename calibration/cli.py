@@ -13,6 +13,7 @@ from typing import Any
 from polykv_cpp.errors import CalibrationError
 
 from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES
+from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES
 
 
 def _csv(s: str) -> list[str]:
@@ -37,8 +38,12 @@ def _params(items: list[str] | None) -> dict[str, dict[str, Any]]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.method == "runtime":
+        return _cmd_runtime(args)
     from calibration.core import calibrate
 
+    if args.samples is None:
+        args.samples = DEFAULT_SAMPLES
     hf = args.hf
     if hf is None:
         from calibration.checkpoint import hf_from_gguf
@@ -60,6 +65,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_runtime(args: argparse.Namespace) -> int:
+    from calibration.runtime import runtime_calibrate
+
+    if args.hf:
+        raise CalibrationError("--hf is not used by --method runtime (it measures the GGUF itself)")
+    res = runtime_calibrate(
+        args.gguf, args.out, budget=args.budget, samples=args.samples or RUNTIME_SAMPLES, ctx=args.ctx,
+        n_cont=args.n_cont, patterns=_csv(args.patterns), b_min=args.b_min, dataset=args.dataset, seed=args.seed,
+        text_field=args.text_field, split=args.split, budget_moves=not args.no_budget_moves,
+        min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet)
+    print(res.plan.summary())
+    print("KL vs FullKV on the calibration continuations: " +
+          ", ".join(f"uniform {k} {v:.4f}" for k, v in res.kl_uniform.items()) + f"; plan {res.kl_plan:.4f}")
+    if res.out is not None:
+        print(f"wrote {res.out}")
+    if args.plan_out:
+        print(f"wrote {args.plan_out}")
+    print(f"{res.n_measured} plans measured; wall time {res.wall_s:.1f} s")
+    return 0
+
+
 def register_cli(subparsers: Any) -> None:
     p = subparsers.add_parser(
         "calibrate", help="build a PolyKV plan from a Hugging Face checkpoint (needs torch + transformers)",
@@ -77,8 +103,12 @@ def register_cli(subparsers: Any) -> None:
                    "generated, a local .txt/.json/.jsonl/.parquet file or directory, or a HF dataset name[:config]")
     p.add_argument("--text-field", default="text", help="text field of json/jsonl/parquet/HF records")
     p.add_argument("--split", default="train", help="split of a HF dataset (default train)")
-    p.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help=f"calibration samples (default "
-                   f"{DEFAULT_SAMPLES})")
+    p.add_argument("--method", default="transformers", choices=("transformers", "runtime"),
+                   help="transformers (default): paper-style per-layer signals on the Hugging Face twin; runtime: "
+                        "search the plan on the GGUF itself through the native cache, by the KL of the "
+                        "continuation against FullKV (no checkpoint, no torch; see docs/calibration.md)")
+    p.add_argument("--samples", type=int, default=None, help=f"calibration samples (default {DEFAULT_SAMPLES}; "
+                   f"runtime: {RUNTIME_SAMPLES})")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"tokens per sample (default {DEFAULT_CTX})")
     p.add_argument("--n-cont", type=int, default=DEFAULT_N_CONT, help="continuation tokens at the end of each "
                    f"sample whose queries are scored (default {DEFAULT_N_CONT})")
@@ -101,4 +131,9 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reuse", action="store_true", help="recompute signals even if a signals file matches")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    g = p.add_argument_group("runtime method")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads of the runtime")
+    g.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
+                   help=f"keep a change when it lowers the KL by more than this fraction (default {DEFAULT_MIN_GAIN})")
+    g.add_argument("--no-budget-moves", action="store_true", help="search patterns only (uniform budgets)")
     p.set_defaults(func=cmd_calibrate)

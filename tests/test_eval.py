@@ -385,6 +385,34 @@ def test_resume_skips_finished_work_and_refuses_another_config(tiny_run, tiny_gg
         Evaluator(bad, log=lambda m: None).setup()
 
 
+def test_resume_adds_a_plan_to_a_finished_sweep(tiny_run, tiny_gguf, tmp_path):
+    import shutil
+
+    from polykv_cpp.plan import uniform_plan
+
+    cfg, res, _ = tiny_run
+    out = tmp_path / "sweep"
+    shutil.copytree(cfg.out_dir, out)
+    other = tmp_path / "other.json"
+    other.write_text(uniform_plan(2, "tova", 96).to_json())
+    ev = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(out), plans=[*cfg.plans, f"other={other}"],
+                              resume=True, png=False, **TINY_BASE), log=lambda m: None)
+    ev.setup()
+    again = ev.run()
+    ev.model.close()
+    old = {(r["kind"], r["task"], r["protocol"], r["method"], r["budget"]): r for r in res["records"]}
+    new = {(r["kind"], r["task"], r["protocol"], r["method"], r["budget"]): r for r in again["records"]}
+    assert {k[3] for k in set(new) - set(old)} == {"other"}
+    assert all(new[k]["prediction" if k[0] != "ppl" else "nll"] == v["prediction" if k[0] != "ppl" else "nll"]
+               for k, v in old.items())
+    assert "other" in again["summary"]["gap_recovered"]["ppl"]["kl"]["all"]
+    changed = tmp_path / "changed.json"
+    changed.write_text(uniform_plan(2, "h2o", 96, window=16).to_json())
+    with pytest.raises(EvalError, match="plan 'polykv'"):
+        Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(out), plans=[f"polykv={changed}"], resume=True,
+                             png=False, **TINY_BASE), log=lambda m: None).setup()
+
+
 def test_unsupported_model_falls_back_to_fullkv(tiny_gguf, tmp_path, monkeypatch):
     reason = "PolyKV: architecture 'gemma3' is not supported yet"
     monkeypatch.setattr(Evaluator, "_probe_plan_support", lambda self, plan: reason)
@@ -408,6 +436,11 @@ def test_gemma3_runs_compressed_methods(tmp_path):
     methods = {r["method"] for r in res["records"]}
     assert "fullkv" in methods and "streamingllm" in methods and "snapkv" in methods
     assert not any(r["status"].startswith("unsupported") for r in res["runs"])
+    # sliding-window layers too: the shared (portable) prefill gives what each run's own prefill gives
+    cfg.reuse, cfg.out_dir = False, str(tmp_path / "noreuse")
+    res2 = run_eval(cfg, log=lambda m: None)
+    key = lambda r: (r["task"], r["protocol"], r["method"], r["budget"])  # noqa: E731
+    assert {key(r): r["prediction"] for r in res["records"]} == {key(r): r["prediction"] for r in res2["records"]}
 
 
 class _FakeCtx:

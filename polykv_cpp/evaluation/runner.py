@@ -381,7 +381,10 @@ class Evaluator:
         except ValueError as e:
             raise EvalError(f"cannot resume: {path} is not JSON ({e})") from None
         fp, old_fp = self.fingerprint(), old.get("fingerprint", {})
-        diff = sorted(k for k in set(fp) | set(old_fp) if fp.get(k) != old_fp.get(k))
+        diff = sorted(k for k in set(fp) | set(old_fp) if k != "plans" and fp.get(k) != old_fp.get(k))
+        # a plan may be added to a finished sweep (its runs are new); a plan name must keep its plan
+        old_plans = old_fp.get("plans", {})
+        diff += [f"plan {n!r}" for n, h in fp.get("plans", {}).items() if n in old_plans and old_plans[n] != h]
         if diff:
             raise EvalError(f"cannot resume: {path} was made with another configuration (differs in "
                             f"{', '.join(diff)}); use another --out or run without --resume")
