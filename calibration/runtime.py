@@ -58,7 +58,6 @@ class RuntimeCalibration:
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
     m = x.max(axis=-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
@@ -130,7 +129,7 @@ class _Measure:
                 ctx.compress_prompt()
                 ctx.decode(cont, all_logits=True)
                 lp = _log_softmax(np.stack([ctx.logits(i) for i in range(len(cont))]))
-                total += float(np.mean(np.sum(np.exp(ref) * (ref - lp), axis=-1)))
+                total += float(np.mean(np.sum(np.exp(ref) * (ref - lp), axis=-1, dtype=np.float64)))
         self.n_measured += 1
         return total / len(self.items)
 

@@ -13,6 +13,7 @@
 #include <cinttypes>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -788,9 +789,105 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
         const uint64_t n0 = grp.n_evicted;
         evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
         n_freed += grp.n_evicted - n0;
+        if (prefill_exact && grp.n_evicted > n0) {
+            compact(grp);
+        }
     }
     prompt_pending = false;
     return n_freed;
+}
+
+namespace {
+
+// in-memory llama_io for moving one group's cells through the stock cache's own state format
+class polykv_io_write : public llama_io_write_i {
+public:
+    void write(const void * src, size_t size) override {
+        const uint8_t * p = (const uint8_t *) src;
+        buf.insert(buf.end(), p, p + size);
+    }
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        const size_t n0 = buf.size();
+        buf.resize(n0 + size);
+        ggml_backend_tensor_get(tensor, buf.data() + n0, offset, size);
+    }
+    size_t n_bytes() override { return buf.size(); }
+
+    std::vector<uint8_t> buf;
+};
+
+class polykv_io_read : public llama_io_read_i {
+public:
+    explicit polykv_io_read(const std::vector<uint8_t> & buf) : buf(buf) {}
+    void read(void * dst, size_t size) override {
+        check(size);
+        memcpy(dst, buf.data() + pos, size);
+        pos += size;
+    }
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        check(size);
+        ggml_backend_tensor_set(tensor, buf.data() + pos, offset, size);
+        pos += size;
+    }
+    size_t n_bytes() override { return pos; }
+
+private:
+    void check(size_t size) const {
+        if (pos + size > buf.size()) {
+            throw std::runtime_error("PolyKV: compaction read past its buffer");
+        }
+    }
+    const std::vector<uint8_t> & buf;
+    size_t pos = 0;
+};
+
+} // namespace
+
+void llama_kv_cache_poly::compact(group & grp) {
+    struct cell_score {
+        float acc, last, knorm;
+        std::vector<float> ring;
+    };
+    std::map<llama_pos, cell_score> by_pos;
+    {
+        const auto & cells = grp.kv->get_cells(0);
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (cells.is_empty(i)) {
+                continue;
+            }
+            cell_score cs = { grp.acc[i], grp.last[i], grp.knorm[i], {} };
+            for (const auto & row : grp.ring) {
+                cs.ring.push_back(row[i]);
+            }
+            by_pos[cells.pos_get(i)] = std::move(cs);
+        }
+    }
+    // a whole-cache restore of the stock cache puts the cells it reads at cells 0..n-1
+    polykv_io_write w;
+    grp.kv->state_write(w);
+    polykv_io_read r(w.buf);
+    grp.kv->state_read(r);
+
+    std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
+    std::fill(grp.last.begin(), grp.last.end(), 0.0f);
+    std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+    for (auto & row : grp.ring) {
+        std::fill(row.begin(), row.end(), 0.0f);
+    }
+    const auto & cells = grp.kv->get_cells(0);
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (cells.is_empty(i)) {
+            continue;
+        }
+        const auto it = by_pos.find(cells.pos_get(i));
+        GGML_ASSERT(it != by_pos.end());
+        grp.acc[i]   = it->second.acc;
+        grp.last[i]  = it->second.last;
+        grp.knorm[i] = it->second.knorm;
+        for (size_t k = 0; k < grp.ring.size(); ++k) {
+            grp.ring[k][i] = it->second.ring[k];
+        }
+    }
 }
 
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {

@@ -196,6 +196,9 @@ private:
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
 
     void read_scores(group & grp, uint32_t n_tokens);
+    // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
+    // kept tokens are spread over n_ctx cells, and attention would still span all of them)
+    void compact(group & grp);
     void evict(group & grp, const llama_polykv_phase_plan & pp);
 };
 
