@@ -406,6 +406,8 @@ def test_resume_adds_a_plan_to_a_finished_sweep(tiny_run, tiny_gguf, tmp_path):
     assert all(new[k]["prediction" if k[0] != "ppl" else "nll"] == v["prediction" if k[0] != "ppl" else "nll"]
                for k, v in old.items())
     assert "other" in again["summary"]["gap_recovered"]["ppl"]["kl"]["all"]
+    runs = {(r["method"], r["budget"]): r for r in again["runs"]}
+    assert runs[("snapkv", 48)]["kv_bytes"] == {(r["method"], r["budget"]): r for r in res["runs"]}[("snapkv", 48)]["kv_bytes"]
     changed = tmp_path / "changed.json"
     changed.write_text(uniform_plan(2, "h2o", 96, window=16).to_json())
     with pytest.raises(EvalError, match="plan 'polykv'"):

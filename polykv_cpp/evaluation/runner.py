@@ -390,6 +390,7 @@ class Evaluator:
                             f"{', '.join(diff)}); use another --out or run without --resume")
         for r in old.get("records", []):
             self.records[record_key(r)] = r
+        self._resumed_runs = {(r.get("method"), r.get("budget")): r for r in old.get("runs", [])}
         self.log(f"resuming: {len(self.records)} results loaded from {path}")
 
     def _make_runs(self) -> None:
@@ -422,6 +423,10 @@ class Evaluator:
                 if w > PORTABLE_OBS_WINDOW and r.status == "pending":
                     r.status = (f"skipped: obs_window {w} > {PORTABLE_OBS_WINDOW} cannot share the prefill "
                                 "(run with --prefill chunked)")
+        for r in runs:  # KV bytes and seconds of runs finished before a resume
+            old = getattr(self, "_resumed_runs", {}).get((r.method, r.budget))
+            if old:
+                r.info.update({k: v for k, v in old.items() if k not in ("method", "budget", "status")})
         # one probe: can this model run a PolyKV plan at all (gemma3 and other archs are refused)?
         probe = next((r for r in runs if r.plan is not None and r.status == "pending"), None)
         if probe is not None:
