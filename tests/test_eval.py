@@ -479,64 +479,50 @@ class _FakeModel:
         return b"x"
 
 
+P1, P2 = list(range(1, 301)), list(range(1000, 1040))
+
+
+def _fed_batches(tmp_path, **cfg_kw):
+    """What one h2o run feeds per protocol (a fake context records the batches); the evaluator too."""
+    from polykv_cpp.plan import uniform_plan
+    from polykv_cpp.evaluation.runner import Run
+
+    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, progress=False, **cfg_kw)
+    ev = Evaluator(cfg, log=lambda m: None)
+    ev.model = _FakeModel()
+    ev.n_ctx = 4096
+    s = T.make_ruler_sample("qa", 2000, 0, 0, 3)
+    ev.prompts[s.key] = T.Prompt(P1, P2)
+    ctx = _FakeCtx()
+    ev._run_sample(ctx, Run("h2o", 48, uniform_plan(2, "h2o", 48)), s)
+    assert cfg.protocols == ["query-agnostic", "query-aware"]
+    agnostic, aware = ctx.seen
+    return agnostic, aware, ev
+
+
 @pytest.mark.parametrize("reuse", [True, False])
 def test_protocols_feed_the_same_tokens_split_where_they_should(tmp_path, reuse):
     """Chunked prefill: query-aware = part 1 + part 2 in one stream; query-agnostic = part 1, then part 2 as its
     own batch. With reuse, both start from the state after the last full ubatch of part 1 (batch boundaries are
     unchanged)."""
-    from polykv_cpp.plan import uniform_plan
-    from polykv_cpp.evaluation.runner import Run
-
-    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, reuse=reuse, progress=False,
-                     prefill="chunked")
-    ev = Evaluator(cfg, log=lambda m: None)
-    ev.model = _FakeModel()
-    ev.n_ctx = 4096
-    s = T.make_ruler_sample("qa", 2000, 0, 0, 3)
-    p1, p2 = list(range(1, 301)), list(range(1000, 1040))
-    ev.prompts[s.key] = T.Prompt(p1, p2)
-    ctx = _FakeCtx()
-    ev._run_sample(ctx, Run("h2o", 48, uniform_plan(2, "h2o", 48)), s)
-    assert cfg.protocols == ["query-agnostic", "query-aware"]
-    agnostic, aware = ctx.seen
+    agnostic, aware, ev = _fed_batches(tmp_path, reuse=reuse, prefill="chunked")
     P = 256 if reuse else 0
     for fed in (aware, agnostic):
-        assert sum(fed, []) == p1 + p2
+        assert sum(fed, []) == P1 + P2
     if reuse:
-        assert aware == [p1[:P], p1[P:] + p2] and agnostic == [p1[:P], p1[P:], p2]
+        assert aware == [P1[:P], P1[P:] + P2] and agnostic == [P1[:P], P1[P:], P2]
         assert ev.reuse["prefix_tokens_shared"] == P
     else:
-        assert aware == [p1 + p2] and agnostic == [p1, p2]
+        assert aware == [P1 + P2] and agnostic == [P1, P2]
     recs = [r for r in ev.records.values()]
     assert {r["protocol"] for r in recs} == {"query-aware", "query-agnostic"} and all(r["prediction"] == "x"
                                                                                     for r in recs)
 
 
 def test_exact_prefill_without_reuse_compresses_the_context_before_the_question(tmp_path):
-    from polykv_cpp.plan import uniform_plan
-    from polykv_cpp.evaluation.runner import Run
-
-    cfg = EvalConfig(model="unused", out_dir=str(tmp_path), n_ubatch=64, reuse=False, progress=False)
-    assert cfg.prefill == "exact"
-    ev = Evaluator(cfg, log=lambda m: None)
-    ev.model = _FakeModel()
-    ev.n_ctx = 4096
-    s = T.make_ruler_sample("qa", 2000, 0, 0, 3)
-    p1, p2 = list(range(1, 301)), list(range(1000, 1040))
-    ev.prompts[s.key] = T.Prompt(p1, p2)
-    ctx = _FakeCtx()
-    ev._run_sample(ctx, Run("h2o", 48, uniform_plan(2, "h2o", 48)), s)
-    agnostic, aware = ctx.seen
-    assert agnostic == [p1, ["compress"], p2] and aware == [p1 + p2]
-
-
-def test_chunked_prefill_end_to_end(tiny_gguf, tmp_path):
-    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path), png=False, prefill="chunked",
-                     **{**TINY_BASE, "tasks": ["niah_single"], "budgets": [48], "ppl_tokens": 4})
-    res = run_eval(cfg, log=lambda m: None)
-    assert res["reuse"]["prefix_tokens_shared"] > 0 and res["reuse"]["prompt_tokens_shared"] == 0
-    assert {r["method"] for r in res["records"]} == set(res["methods"])
-    assert "chunked" in (tmp_path / "results.md").read_text()
+    agnostic, aware, ev = _fed_batches(tmp_path, reuse=False)
+    assert ev.cfg.prefill == "exact"
+    assert agnostic == [P1, ["compress"], P2] and aware == [P1 + P2]
 
 
 def test_keeps_everything():
