@@ -895,8 +895,9 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     for (const auto & grp : groups) {
         any_scores |= grp.t_rows != nullptr || grp.t_knorm != nullptr;
     }
-    if (any_scores) {
-        // wait for the scores; not llama_synchronize(), which would book the whole batch's timing now
+    if (any_scores || prefill_exact) {
+        // wait for the scores (and, in exact modes, for the cache writes a compaction may read before the next
+        // ubatch); not llama_synchronize(), which would book the whole batch's timing now
         ggml_backend_sched_synchronize(lctx->get_sched());
     }
     const bool decode = ubatch.n_tokens == 1;
@@ -1266,6 +1267,7 @@ int64_t llama_polykv_compress_prompt(struct llama_context * ctx) {
         set_last_error("no PolyKV plan is active in this context");
         return -1;
     }
+    llama_synchronize(ctx); // a compaction reads the cache the last decode wrote
     return (int64_t) poly->compress_prompt();
 }
 
