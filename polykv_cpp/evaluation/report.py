@@ -135,6 +135,12 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%"
 
 
+def _section(L: list[str], title: str, lines: list[str], always: bool = False) -> None:
+    """Append a `## title` section with `lines` (nothing when there are none, unless `always`)."""
+    if lines or always:
+        L.extend([f"## {title}", "", *lines, ""])
+
+
 def _row(cells: Iterable[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
@@ -291,23 +297,9 @@ def to_markdown(data: Mapping[str, Any]) -> str:
         L.append(_row([r["method"], "full" if b is None else str(b), ratio, status,
                        _f(kv / 2**20 if kv else None, 2), _f(kvf / 2**20 if kvf else None, 2), _f(secs, 1)]))
     L.append("")
-    L.append("## What was reused")
-    L.append("")
-    for line in data.get("reuse", {}).get("summary", []):
-        L.append(f"- {line}")
-    L.append("")
-    if data.get("notes"):
-        L.append("## Notes")
-        L.append("")
-        for n in data["notes"]:
-            L.append(f"- {n}")
-        L.append("")
-    if data.get("plots"):
-        L.append("## Plots")
-        L.append("")
-        for name in data["plots"]:
-            L.append(f"![{name}]({name})")
-        L.append("")
+    _section(L, "What was reused", [f"- {line}" for line in data.get("reuse", {}).get("summary", [])], always=True)
+    _section(L, "Notes", [f"- {n}" for n in data.get("notes", [])])
+    _section(L, "Plots", [f"![{name}]({name})" for name in data.get("plots", [])])
     return "\n".join(L)
 
 

@@ -290,20 +290,21 @@ def _insert(units: list[str], items: Sequence[str], depths: Sequence[float]) -> 
     return out
 
 
-def _word_key(rng: random.Random, used: set[str]) -> str:
+def _fresh(used: set[str], draw: Callable[[], str]) -> str:
+    """The first value of `draw()` not in `used` (then added to it)."""
     while True:
-        k = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
-        if k not in used:
-            used.add(k)
-            return k
-
-
-def _number(rng: random.Random, used: set[str], digits: int = 7) -> str:
-    while True:
-        v = str(rng.randint(10 ** (digits - 1), 10 ** digits - 1))
+        v = draw()
         if v not in used:
             used.add(v)
             return v
+
+
+def _word_key(rng: random.Random, used: set[str]) -> str:
+    return _fresh(used, lambda: f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}")
+
+
+def _number(rng: random.Random, used: set[str], digits: int = 7) -> str:
+    return _fresh(used, lambda: str(rng.randint(10 ** (digits - 1), 10 ** digits - 1)))
 
 
 def pseudo_word(rng: random.Random, n_syl: int | None = None) -> str:
@@ -323,11 +324,8 @@ def _distinct_words(rng: random.Random, n: int, exclude: set[str] | None = None)
 
 
 def _name(rng: random.Random, used: set[str]) -> str:
-    while True:
-        n = f"{pseudo_word(rng, 2).capitalize()} {pseudo_word(rng, rng.choice((2, 3))).capitalize()}"
-        if n not in used:
-            used.add(n)
-            return n
+    return _fresh(used, lambda: f"{pseudo_word(rng, 2).capitalize()} "
+                                f"{pseudo_word(rng, rng.choice((2, 3))).capitalize()}")
 
 
 # ---------------------------------------------------------------------------------------- task builders
