@@ -21,7 +21,7 @@ from polykv_cpp.errors import PolyKVError
 TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench")
 # sub-commands that live in their own modules: each has register_cli(subparsers)
 EXTENSIONS = ("polykv_cpp.models", "polykv_cpp.plan", "polykv_cpp.plan_view", "calibration.cli",
-              "polykv_cpp.evaluation.cli")
+              "polykv_cpp.evaluation.cli", "polykv_cpp.evaluation.kvpress_check")
 
 
 def kv_cache_bytes(model, n_ctx: int, bytes_per_elem_k: float = 2.0, bytes_per_elem_v: float = 2.0) -> int:

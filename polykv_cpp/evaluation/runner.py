@@ -34,7 +34,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,6 +161,19 @@ class Run:
         return f"{self.method}@{'full' if self.budget is None else self.budget}"
 
 
+def read_answer(tokens: Iterable[int], model: Any, sample: T.Sample) -> tuple[str, int]:
+    """The answer text of generated `tokens` (our detokenizer) and how many were read: reading stops at the
+    first line break after the answer's first non-blank text when `sample.stop_at_newline`."""
+    dec = codecs.getincrementaldecoder("utf-8")("replace")
+    text, n = "", 0
+    for tok in tokens:
+        n += 1
+        text += dec.decode(model.token_to_piece(tok))
+        if sample.stop_at_newline and "\n" in text.lstrip():
+            break
+    return text + dec.decode(b"", final=True), n
+
+
 def record_key(r: dict[str, Any]) -> str:
     return f"{r['kind']}/{r['task']}/{r['length']}/{r['index']}/{r['protocol']}/{r['method']}/{r['budget']}"
 
@@ -266,20 +279,10 @@ class Evaluator:
     # ---- set-up ---------------------------------------------------------------------------------------
     def setup(self) -> None:
         from polykv_cpp import plan as plan_mod
-        from polykv_cpp.api import Model
 
         cfg = self.cfg
-        self.model_path = resolve_model(cfg.model)
-        self.n_gpu_layers, self.device = gpu_layers(cfg.n_gpu_layers)
-        self.model = Model(self.model_path, n_gpu_layers=self.n_gpu_layers)
+        self.load_model()
         m = self.model
-        self.n_layer = m.n_layer
-        self.arch = m.meta("general.architecture") or "?"
-        chat = cfg.chat_template
-        if chat == "auto":
-            chat = T.detect_chat_format(m.meta("tokenizer.chat_template"))
-        self.chat = chat
-        self.builder = T.PromptBuilder(lambda t, a, p: m.tokenize(t, add_special=a, parse_special=p), chat)
 
         # plans: calibrated plan(s) by name
         self.plans: dict[str, Any] = {}
@@ -314,6 +317,28 @@ class Evaluator:
         self._build_samples()
         self._check_resume()
         self._make_runs()
+
+    def load_model(self) -> None:
+        """The model, its chat format and the prompt builder (the samples need only these)."""
+        from polykv_cpp.api import Model
+
+        cfg = self.cfg
+        self.model_path = resolve_model(cfg.model)
+        self.n_gpu_layers, self.device = gpu_layers(cfg.n_gpu_layers)
+        self.model = Model(self.model_path, n_gpu_layers=self.n_gpu_layers)
+        m = self.model
+        self.n_layer = m.n_layer
+        self.arch = m.meta("general.architecture") or "?"
+        chat = cfg.chat_template
+        if chat == "auto":
+            chat = T.detect_chat_format(m.meta("tokenizer.chat_template"))
+        self.chat = chat
+        self.builder = T.PromptBuilder(lambda t, a, p: m.tokenize(t, add_special=a, parse_special=p), chat)
+
+    def build_samples(self) -> None:
+        """Load the model and build every sample and prompt, as `setup` does, without plans or runs."""
+        self.load_model()
+        self._build_samples()
 
     def _measure(self, s: T.Sample) -> int:
         return self.builder.count(s) + s.max_new_tokens
@@ -485,18 +510,11 @@ class Evaluator:
 
     # ---- generation ----------------------------------------------------------------------------------
     def _generate(self, ctx, tokens: list[int], sample: T.Sample) -> tuple[str, int]:
-        dec = codecs.getincrementaldecoder("utf-8")("replace")
-        text, n = "", 0
         it = ctx.generate_tokens(tokens, max_tokens=sample.max_new_tokens)
         try:
-            for tok in it:
-                n += 1
-                text += dec.decode(self.model.token_to_piece(tok))
-                if sample.stop_at_newline and "\n" in text.lstrip():
-                    break
+            return read_answer(it, self.model, sample)
         finally:
             it.close()
-        return text + dec.decode(b"", final=True), n
 
     def _record(self, sample: T.Sample, protocol: str, run: Run, pred: str, n_gen: int, **extra: Any
                 ) -> dict[str, Any]:

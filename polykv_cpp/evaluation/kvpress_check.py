@@ -1,0 +1,559 @@
+"""`polykv-cpp kvpress-check`: our single-pattern baselines next to kvpress's presses, on the same samples.
+
+kvpress (NVIDIA, PyPI ``kvpress``) is the field's reference implementation of prompt KV-cache compression on
+transformers. This check replays the samples of a finished ``polykv-cpp eval`` run (same generator seed, the
+same token ids from our tokenizer) through kvpress on the transformers model with the same weights
+(dequantized from the GGUF), and reports the task scores of both side by side, with how often the two
+answers are identical.
+
+    polykv-cpp kvpress-check results/eval-qwen-4k-b512-qa-3samples -o results/kvpress-qwen-4k-b512-qa
+
+One prefill per sample serves every press and budget. kvpress compresses a layer's cache in a forward hook
+*after* that layer's attention ran, so the hidden states that reach the next layer never depend on the
+press. Calling each press's own ``compress`` on the hook's inputs therefore yields exactly the cache that
+``with press(model): model(...)`` yields (``tests/test_kvpress_check.py`` checks this against kvpress's own
+hooks). Decoding then follows ``KVPressTextGenerationPipeline.generate_answer``: greedy, explicit position
+ids after the compressed context.
+
+Known differences, written into every report:
+
+* kvpress selects tokens per KV head; our cache keeps one token set per layer (scores summed over heads);
+* kvpress compresses the prompt only and lets the cache grow while decoding; our baselines also evict
+  during decode (the cache stays at the budget);
+* transformers runs the dequantized weights in fp32; we run the Q4_K_M GGUF with an f16 cache;
+* ObservedAttentionPress (H2O) keeps no recent window and averages attention over the queries that see a
+  key; ours protects the last 32 tokens and sums. kvpress needs the attention weights for it: they are
+  computed here as eager attention computes them, for that press only, so the model itself runs SDPA;
+* KnormPress keeps no recent token (ours keeps the newest one); SnapKV/PyramidKV pool with an average
+  (ours: max). Window, kernel and sink sizes are set to ours (``--kvpress-params`` keeps kvpress's);
+* PyramidKVPress keeps SnapKV's uniform sizes unless budget / beta >= window (as KVCache-Factory does).
+
+Limits: kvpress 0.5.5 supports Llama, Mistral, Phi-3, Qwen2/3 and Gemma-3 (multimodal) model classes; other
+models are refused. Needs ``pip install 'polykv-cpp[kvpress]'`` (kvpress 0.5.5 wants transformers < 5.3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from polykv_cpp.errors import PolyKVError
+
+KVPRESS_VERSION = "0.5.5"
+RESULTS_FORMAT = "polykv-kvpress-check"
+FULLKV = "fullkv"
+#: our baseline -> the kvpress press that implements the same rule
+PRESS_OF = {"streamingllm": "StreamingLLMPress", "h2o": "ObservedAttentionPress", "snapkv": "SnapKVPress",
+            "tova": "TOVAPress", "knorm": "KnormPress", "pyramidkv": "PyramidKVPress"}
+#: presses whose score reads the full attention matrix (kvpress asks for eager attention)
+NEEDS_ATTENTIONS = ("h2o",)
+DIFFERENCES = [
+    "kvpress selects tokens per KV head; our cache keeps one token set per layer (scores summed over heads)",
+    "kvpress compresses the prompt only and the cache grows while decoding; our baselines also evict during "
+    "decode (the cache stays at the budget)",
+    "kvpress runs transformers in fp32 on the weights dequantized from the GGUF; we run the GGUF with an f16 cache",
+    "H2O = ObservedAttentionPress: no recent window, attention averaged over the queries that see a key "
+    "(ours: last 32 tokens protected, summed)",
+    "KnormPress keeps no recent token (ours keeps the newest); SnapKV/PyramidKV average-pool (ours: max-pool)",
+    "PyramidKVPress falls back to uniform SnapKV sizes unless budget / beta >= window (budget >= 640 with our "
+    "window 32), as KVCache-Factory does; our PyramidKV plan is a pyramid at every budget",
+]
+
+
+class KVPressCheckError(PolyKVError):
+    """Bad input to the kvpress cross-check, or kvpress/transformers missing."""
+
+
+@dataclass
+class KVPressCheckConfig:
+    results: str  # a `polykv-cpp eval` output directory or its results.json
+    out_dir: str = "polykv-kvpress-check"
+    methods: list[str] | None = None  # None: every baseline of the eval run that kvpress has
+    budgets: list[int] | None = None  # None: the eval run's budgets
+    protocols: list[str] | None = None  # None: the eval run's protocols
+    tasks: list[str] | None = None  # None: the eval run's tasks
+    hf_model: str | None = None  # transformers checkpoint with the same weights; None: converted from the GGUF
+    kvpress_params: bool = False  # True: kvpress's own window/kernel sizes instead of ours
+    n_threads: int | None = None
+    png: bool = True
+    progress: bool = True
+
+
+def _import_kvpress():
+    try:
+        import kvpress
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise KVPressCheckError(f"the kvpress cross-check needs kvpress {KVPRESS_VERSION}, torch and transformers "
+                                f"({e}); install them with: pip install 'polykv-cpp[kvpress]'") from None
+    return kvpress
+
+
+def ratio_for(budget: int, n_tokens: int) -> float:
+    """kvpress's ``compression_ratio`` that keeps exactly ``budget`` of ``n_tokens`` (0 when all fit).
+
+    kvpress keeps ``int(n * (1 - ratio))`` tokens; half a token of slack keeps float rounding off the floor."""
+    if budget >= n_tokens:
+        return 0.0
+    return (n_tokens - budget - 0.5) / n_tokens
+
+
+def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = False) -> Any:
+    """The kvpress press for our baseline ``method`` at ``ratio``; window/kernel/sink sizes are ours unless
+    ``own_params`` (see :data:`polykv_cpp.plan.DEFAULT_PARAMS`)."""
+    from polykv_cpp.plan import DEFAULT_PARAMS
+
+    if method not in PRESS_OF:
+        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)})")
+    kw: dict[str, Any] = {"compression_ratio": ratio}
+    ours = DEFAULT_PARAMS[method]
+    if not own_params:
+        if method == "streamingllm":
+            kw["n_sink"] = ours["n_sink"]
+        elif method in ("snapkv", "pyramidkv"):
+            kw["window_size"] = ours["obs_window"]
+            kw["kernel_size"] = ours["pool_kernel"]
+    return getattr(kvpress, PRESS_OF[method])(**kw)
+
+
+def eager_attention_weights(module: Any, hidden_states: Any, keys: Any, position_embeddings: Any) -> Any:
+    """softmax(Q K^T * scaling + causal mask) in fp32 for every query, as transformers' eager attention
+    computes it (the ``attentions`` that ObservedAttentionPress reads), without running the model eagerly."""
+    import torch
+    from kvpress.utils import get_prerope_query_states
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
+
+    q = get_prerope_query_states(module, hidden_states)
+    cos, sin = position_embeddings
+    q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    k = repeat_kv(keys, q.shape[1] // keys.shape[1])
+    w = torch.matmul(q, k.transpose(2, 3)) * module.scaling
+    n_q, n_k = w.shape[-2], w.shape[-1]
+    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=w.device).triu(n_k - n_q + 1)
+    w = w.masked_fill(mask, float("-inf"))
+    return torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+
+
+class SharedPrefill:
+    """One prefill, many presses: the per-layer (keys, values) each press would leave in the cache.
+
+    A forward hook on every attention layer calls each press's ``compress`` on the same inputs kvpress's own
+    hook passes (hidden states, the layer's cache, the attention output's weights, the forward kwargs) and
+    stores the result instead of writing it back; the model's own cache stays full (FullKV)."""
+
+    def __init__(self, model: Any, presses: dict[Any, Any]):
+        self.model = model
+        self.presses = presses
+        self.kept: dict[Any, list[Any]] = {}
+
+    def _language_model(self) -> Any:
+        return self.model.model.language_model if hasattr(self.model.model, "language_model") else self.model.model
+
+    def run(self, input_ids: list[int]) -> tuple[Any, Any]:
+        """Prefill ``input_ids``: (logits of the last position, the FullKV DynamicCache); fills ``kept``."""
+        import torch
+        from kvpress.presses.base_press import is_prefilling
+        from kvpress.utils import extract_keys_and_values
+        from transformers import DynamicCache
+
+        lm = self._language_model()
+        n_layer = len(lm.layers)
+        self.kept = {key: [None] * n_layer for key in self.presses}
+        for press in self.presses.values():
+            press.post_init_from_model(self.model)
+        attn_users = [k for k, p in self.presses.items() if type(p).__name__ == "ObservedAttentionPress"]
+
+        def hook(module, args, kwargs, output):
+            hidden_states = kwargs["hidden_states"]
+            if not is_prefilling(kwargs["cache_position"], hidden_states.shape[1]):
+                return output
+            keys, values = extract_keys_and_values(kwargs["past_key_values"], module.layer_idx)
+            attentions = output[1]
+            if attentions is None and attn_users:
+                attentions = eager_attention_weights(module, hidden_states, keys, kwargs["position_embeddings"])
+            for key, press in self.presses.items():
+                a = attentions if key in attn_users else output[1]
+                self.kept[key][module.layer_idx] = press.compress(module, hidden_states, keys, values, a, kwargs)
+            return output
+
+        hooks = []
+        try:
+            for layer in lm.layers:
+                layer.self_attn.rotary_emb = lm.rotary_emb  # as kvpress's BasePress.__call__ does
+                hooks.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+            cache = DynamicCache()
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([input_ids]), past_key_values=cache, logits_to_keep=1)
+        finally:
+            for h in hooks:
+                h.remove()
+        return out.logits[0, -1], cache
+
+
+def cache_of(layers: list[tuple[Any, Any]]) -> Any:
+    """A DynamicCache holding the given per-layer (keys, values)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k, v, i)
+    return cache
+
+
+def full_layers(cache: Any) -> list[tuple[Any, Any]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def greedy_tokens(model: Any, cache: Any, n_context: int, *, first_logits: Any = None, question: list[int] = (),
+                  max_new_tokens: int, stop: Callable[[int], bool]) -> Iterator[int]:
+    """Greedy decoding after a (compressed) context of ``n_context`` positions, as kvpress's pipeline does:
+    the question (if any) is forwarded with explicit position ids, then one token at a time. Without a
+    question the first token comes from ``first_logits`` (the prefill's last position)."""
+    import torch
+
+    pos = n_context
+    with torch.no_grad():
+        if question:
+            ids = torch.tensor([list(question)])
+            out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1,
+                        position_ids=torch.arange(pos, pos + len(question)).unsqueeze(0))
+            logits = out.logits[0, -1]
+            pos += len(question)
+        else:
+            logits = first_logits
+        for i in range(max_new_tokens):
+            tok = int(logits.argmax())
+            yield tok
+            if stop(tok) or i == max_new_tokens - 1:
+                return
+            out = model(input_ids=torch.tensor([[tok]]), past_key_values=cache,
+                        position_ids=torch.tensor([[pos]]))
+            logits = out.logits[0, -1]
+            pos += 1
+
+
+def _load_hf(path: str | Path, n_threads: int | None) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if n_threads:
+        torch.set_num_threads(n_threads)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="sdpa")
+    except Exception as e:
+        raise KVPressCheckError(f"cannot load the transformers model at {path}: {e}") from None
+    return model.eval()
+
+
+class KVPressCheck:
+    """The samples of one eval run, replayed through kvpress (see the module docstring)."""
+
+    def __init__(self, cfg: KVPressCheckConfig, log: Callable[[str], None] | None = None):
+        self.cfg = cfg
+        self.log = log or (lambda msg: print(f"[polykv-cpp kvpress-check] {msg}", file=sys.stderr))
+        self.records: list[dict[str, Any]] = []
+
+    def setup(self) -> None:
+        from polykv_cpp.evaluation import report
+        from polykv_cpp.evaluation.runner import PROTOCOLS, EvalConfig, Evaluator
+
+        cfg = self.cfg
+        self.kvpress = _import_kvpress()
+        try:
+            self.ours = report.load_results(cfg.results)
+        except (FileNotFoundError, json.JSONDecodeError) as e:
+            raise KVPressCheckError(f"{cfg.results}: not a finished `polykv-cpp eval` run ({e})") from None
+        if self.ours.get("format") != "polykv-eval-results":
+            raise KVPressCheckError(f"{cfg.results}: not a `polykv-cpp eval` results file")
+        oc = self.ours["config"]
+        ran = {(r["method"], r["budget"]) for r in self.ours["records"] if r["kind"] == "ruler"}
+        methods = cfg.methods or [m for m in oc["methods"] if m in PRESS_OF]
+        bad = [m for m in methods if m not in PRESS_OF]
+        if bad:
+            raise KVPressCheckError(f"no kvpress press for {', '.join(bad)} (known: {', '.join(PRESS_OF)})")
+        self.methods = methods
+        self.budgets = cfg.budgets or list(oc["budgets"])
+        self.protocols = cfg.protocols or list(oc["protocols"])
+        for p in self.protocols:
+            if p not in PROTOCOLS or p not in oc["protocols"]:
+                raise KVPressCheckError(f"protocol {p!r} is not in the eval run ({', '.join(oc['protocols'])})")
+        missing = [f"{m}@{b}" for m in methods for b in self.budgets if (m, b) not in ran]
+        if missing:
+            raise KVPressCheckError(f"the eval run has no task results for {', '.join(missing)}; choose --methods "
+                                    "and --budgets it ran")
+        tasks = cfg.tasks or list(oc["tasks"])
+        unknown = [t for t in tasks if t not in oc["tasks"]]
+        if unknown:
+            raise KVPressCheckError(f"task(s) {', '.join(unknown)} not in the eval run")
+        if not Path(oc["model"]).is_file() and not cfg.hf_model:
+            raise KVPressCheckError(f"the eval run's model {oc['model']} is missing")
+        # the same samples and token ids as the eval run: its generator, seed and our tokenizer
+        known = {f.name for f in fields(EvalConfig)}
+        ecfg = EvalConfig(**{**{k: v for k, v in oc.items() if k in known}, "tasks": tasks, "ppl": False,
+                             "longbench": [], "out_dir": str(cfg.out_dir), "progress": False, "resume": False})
+        self.ev = Evaluator(ecfg, log=self.log)
+        self.ev.build_samples()
+        self.ours_by_key = {self._key(r): r for r in self.ours["records"] if r["kind"] == "ruler"}
+        for s in self.ev.samples:
+            r = self.ours_by_key.get(self._key_of(s, self.protocols[0], FULLKV, None))
+            if r is None or r["n_prompt"] != self.ev.prompts[s.key].n_prompt or r["answers"] != s.answers:
+                raise KVPressCheckError(f"sample {s.key} differs from the eval run's (another generator version "
+                                        "or tokenizer); rerun the eval with this version")
+        self.hf_path = cfg.hf_model or str(self._convert(Path(oc["model"])))
+        self.hf = _load_hf(self.hf_path, cfg.n_threads)
+        cls = type(self.hf).__name__
+        supported = tuple(c.__name__ for c in self.kvpress.presses.base_press.SUPPORTED_MODELS)
+        if cls not in supported:
+            raise KVPressCheckError(f"kvpress {KVPRESS_VERSION} does not support {cls} (supported: "
+                                    f"{', '.join(supported)})")
+        eos = self.hf.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    def _convert(self, gguf: Path) -> Path:
+        try:
+            from calibration.checkpoint import hf_from_gguf
+        except ImportError:
+            raise KVPressCheckError("converting the GGUF to a transformers checkpoint needs the calibration "
+                                    "package (pip install 'polykv-cpp[kvpress]'), or give --hf DIR") from None
+        return hf_from_gguf(gguf, log=self.log)
+
+    @staticmethod
+    def _key(r: dict[str, Any]) -> str:
+        return f"{r['task']}/{r['length']}/{r['index']}/{r['protocol']}/{r['method']}/{r['budget']}"
+
+    @staticmethod
+    def _key_of(s: Any, protocol: str, method: str, budget: int | None) -> str:
+        return f"{s.task}/{s.length}/{s.index}/{protocol}/{method}/{budget}"
+
+    def _stop(self, tok: int) -> bool:
+        return tok in self.eos or self.ev.model.is_eog(tok)
+
+    def run(self) -> dict[str, Any]:
+        from tqdm import tqdm
+
+        from polykv_cpp.evaluation import scoring
+        from polykv_cpp.evaluation.runner import read_answer
+
+        t0 = time.time()
+        self.t_prefill = 0.0
+        units = [(s, p) for s in self.ev.samples for p in self.protocols]
+        bar = tqdm(total=len(units), desc="kvpress", unit="prefill", disable=not self.cfg.progress,
+                   dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
+        try:
+            for s, protocol in units:
+                prompt = self.ev.prompts[s.key]
+                aware = protocol == "query-aware"
+                context = prompt.tokens if aware else prompt.part1
+                question = [] if aware else prompt.part2
+                presses = {(m, b): make_press(self.kvpress, m, ratio_for(b, len(context)),
+                                              own_params=self.cfg.kvpress_params)
+                           for m in self.methods for b in self.budgets}
+                bar.set_postfix_str(f"{s.task} {protocol}")
+                t1 = time.time()
+                shared = SharedPrefill(self.hf, presses)
+                logits, full = shared.run(context)
+                self.t_prefill += time.time() - t1
+                runs = [((FULLKV, None), full_layers(full))] + [(k, shared.kept[k]) for k in presses]
+                for (method, budget), layers in runs:
+                    toks = greedy_tokens(self.hf, cache_of(layers), len(context), first_logits=logits,
+                                         question=question, max_new_tokens=s.max_new_tokens, stop=self._stop)
+                    pred, n_gen = read_answer(toks, self.ev.model, s)
+                    ours = self.ours_by_key.get(self._key_of(s, protocol, method, budget))
+                    score = scoring.score(s.metric, pred, s.answers, meta=s.meta)
+                    self.records.append({
+                        "task": s.task, "length": s.length, "index": s.index, "protocol": protocol,
+                        "method": method, "budget": budget, "n_prompt": prompt.n_prompt,
+                        "n_compressed": len(context), "kept_per_layer": [int(k.shape[2]) for k, _ in layers],
+                        "prediction": pred, "n_generated": n_gen, "score": score,
+                        "ours_prediction": ours and ours["prediction"], "ours_score": ours and ours["score"],
+                        "same_answer": ours is not None and pred.strip() == ours["prediction"].strip()})
+                bar.update(1)
+        finally:
+            bar.close()
+        self.seconds = time.time() - t0
+        return self.results()
+
+    def results(self) -> dict[str, Any]:
+        import kvpress
+        import torch
+        import transformers
+
+        from polykv_cpp import __version__
+
+        cfg = self.cfg
+        return {"format": RESULTS_FORMAT, "version": 1, "eval_results": str(cfg.results),
+                "config": asdict(cfg), "model": self.ours["config"]["model"], "hf_model": str(self.hf_path),
+                "methods": self.methods, "budgets": self.budgets, "protocols": self.protocols,
+                "presses": {m: PRESS_OF[m] for m in self.methods},
+                "params": "kvpress defaults" if cfg.kvpress_params else "ours (window, kernel, sinks)",
+                "differences": DIFFERENCES,
+                "environment": {"polykv_cpp": __version__, "kvpress": kvpress.__version__ if hasattr(
+                    kvpress, "__version__") else KVPRESS_VERSION, "transformers": transformers.__version__,
+                    "torch": torch.__version__, "threads": torch.get_num_threads()},
+                "seconds": round(self.seconds, 1), "prefill_seconds": round(self.t_prefill, 1),
+                "n_samples": len(self.ev.samples), "records": self.records,
+                "summary": summarize(self.records)}
+
+
+def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """protocol -> method -> budget -> {ours, kvpress (0-100, mean over tasks of the task means),
+    same_answer (% of samples), n, tasks: task -> {ours, kvpress}}."""
+    acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
+    for r in records:
+        acc[r["protocol"]][r["method"]][str(r["budget"])][r["task"]].append(r)
+    out: dict[str, Any] = {}
+    for p, by_m in acc.items():
+        for m, by_b in by_m.items():
+            for b, by_t in by_b.items():
+                tasks = {}
+                for t, rs in sorted(by_t.items()):
+                    ours = [r["ours_score"] for r in rs if r["ours_score"] is not None]
+                    tasks[t] = {"kvpress": 100 * sum(r["score"] for r in rs) / len(rs),
+                                "ours": 100 * sum(ours) / len(ours) if ours else None}
+                rs_all = [r for rs in by_t.values() for r in rs]
+                ours_t = [v["ours"] for v in tasks.values() if v["ours"] is not None]
+                out.setdefault(p, {}).setdefault(m, {})[b] = {
+                    "kvpress": sum(v["kvpress"] for v in tasks.values()) / len(tasks),
+                    "ours": sum(ours_t) / len(ours_t) if len(ours_t) == len(tasks) else None,
+                    "same_answer": 100 * sum(r["same_answer"] for r in rs_all) / len(rs_all),
+                    "n": len(rs_all), "tasks": tasks}
+    return out
+
+
+def _f(x: float | None) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
+
+
+def to_markdown(data: dict[str, Any]) -> str:
+    s = data["summary"]
+    L = [f"# kvpress cross-check of `{Path(data['model']).name}`", "",
+         f"Our runtime (llama.cpp, results from `{data['eval_results']}`) against kvpress "
+         f"{data['environment']['kvpress']} on transformers {data['environment']['transformers']} with the same "
+         f"weights (`{data['hf_model']}`), on the same {data['n_samples']} samples and token ids. Scores are 0-100, "
+         "mean over tasks; *same answer* = identical answer text. Press parameters: "
+         f"{data['params']}. Time: {data['seconds']:.0f} s ({data['prefill_seconds']:.0f} s prefill).", "",
+         "Presses: " + ", ".join(f"{m} = `{p}`" for m, p in data["presses"].items()) + ".", ""]
+    for p in data["protocols"]:
+        by_m = s.get(p, {})
+        budgets = [str(b) for b in data["budgets"]]
+        L += [f"## {p}", "", "| method | budget | ours | kvpress | ours − kvpress | same answer | n |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+        for m in [FULLKV, *data["methods"]]:
+            for b in (["None"] if m == FULLKV else budgets):
+                c = by_m.get(m, {}).get(b)
+                if not c:
+                    continue
+                diff = None if c["ours"] is None else c["ours"] - c["kvpress"]
+                L.append(f"| {m} | {'–' if b == 'None' else b} | {_f(c['ours'])} | {_f(c['kvpress'])} | {_f(diff)} | "
+                         f"{c['same_answer']:.0f}% | {c['n']} |")
+        L.append("")
+        tasks = sorted({t for by_b in by_m.values() for c in by_b.values() for t in c["tasks"]})
+        for b in budgets:
+            L += [f"### {p}, budget {b}: per task (ours / kvpress)", "",
+                  "| method | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
+            for m in data["methods"]:
+                c = by_m.get(m, {}).get(b)
+                if c:
+                    L.append(f"| {m} | " + " | ".join(
+                        f"{_f(c['tasks'][t]['ours'])} / {_f(c['tasks'][t]['kvpress'])}" if t in c["tasks"] else "–"
+                        for t in tasks) + " |")
+            L.append("")
+    L += ["## Known differences between the two implementations", ""] + [f"- {d}" for d in data["differences"]]
+    return "\n".join(L) + "\n"
+
+
+def write_plot(data: dict[str, Any], out_dir: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    files = []
+    for p in data["protocols"]:
+        by_m = data["summary"].get(p, {})
+        budgets = [str(b) for b in data["budgets"]]
+        fig, axes = plt.subplots(1, len(budgets), figsize=(4.5 * len(budgets), 3.6), squeeze=False)
+        for ax, b in zip(axes[0], budgets):
+            ms = [m for m in data["methods"] if b in by_m.get(m, {})]
+            xs = range(len(ms))
+            ours = [by_m[m][b]["ours"] or 0 for m in ms]
+            kvp = [by_m[m][b]["kvpress"] for m in ms]
+            ax.bar([x - 0.2 for x in xs], ours, 0.4, label="ours (llama.cpp)", color="tab:blue")
+            ax.bar([x + 0.2 for x in xs], kvp, 0.4, label="kvpress (transformers)", color="tab:green")
+            full = by_m.get(FULLKV, {}).get("None")
+            if full:
+                ax.axhline(full["ours"] or 0, color="black", ls="--", lw=1, label="FullKV (ours)")
+                ax.axhline(full["kvpress"], color="gray", ls=":", lw=1, label="FullKV (transformers)")
+            ax.set_xticks(list(xs), ms, rotation=30)
+            ax.set_title(f"{p}, budget {b}")
+            ax.set_ylabel("task score (0-100)")
+        axes[0][0].legend(fontsize=7)
+        fig.tight_layout()
+        name = f"kvpress_{p}.png"
+        fig.savefig(out_dir / name, dpi=110)
+        plt.close(fig)
+        files.append(name)
+    return files
+
+
+def run_kvpress_check(cfg: KVPressCheckConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Replay an eval run's samples through kvpress; write results.json, results.md and PNGs to ``out_dir``."""
+    check = KVPressCheck(cfg, log)
+    check.setup()
+    data = check.run()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data["plots"] = write_plot(data, out) if cfg.png else []
+    (out / "results.json").write_text(json.dumps(data, indent=1))
+    (out / "results.md").write_text(to_markdown(data))
+    return data
+
+
+def _names(text: str) -> list[str]:
+    return [x for x in text.replace(" ", "").split(",") if x]
+
+
+def cmd_kvpress_check(args: argparse.Namespace) -> int:
+    from polykv_cpp.evaluation.cli import _ints
+
+    cfg = KVPressCheckConfig(results=args.results, out_dir=args.out, hf_model=args.hf,
+                             methods=_names(args.methods) if args.methods else None,
+                             budgets=_ints(args.budgets) if args.budgets else None,
+                             protocols=None if args.protocol == "all" else [args.protocol],
+                             tasks=_names(args.tasks) if args.tasks else None, kvpress_params=args.kvpress_params,
+                             n_threads=args.threads, png=not args.no_png, progress=not args.no_progress)
+    data = run_kvpress_check(cfg)
+    print(to_markdown(data) if args.print_tables else f"wrote {Path(cfg.out_dir) / 'results.md'}")
+    return 0
+
+
+def register_cli(sub: Any) -> None:
+    p = sub.add_parser("kvpress-check", help="compare our baselines with kvpress's presses on an eval run's samples",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("results", metavar="EVAL_DIR", help="output directory (or results.json) of `polykv-cpp eval`")
+    p.add_argument("-o", "--out", default="polykv-kvpress-check", help="output directory")
+    p.add_argument("--methods", default=None, help=f"comma list among {', '.join(PRESS_OF)} (default: the run's)")
+    p.add_argument("--budgets", default=None, help="comma list (default: the run's budgets)")
+    p.add_argument("--protocol", choices=["all", "query-aware", "query-agnostic"], default="all",
+                   help="default: every protocol of the run")
+    p.add_argument("--tasks", default=None, help="comma list (default: the run's tasks)")
+    p.add_argument("--hf", default=None, metavar="DIR",
+                   help="transformers checkpoint with the same weights (default: converted from the GGUF, cached)")
+    p.add_argument("--kvpress-params", action="store_true",
+                   help="kvpress's own window/kernel/sink sizes instead of ours")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--print-tables", action="store_true", help="print the markdown at the end")
+    p.set_defaults(func=cmd_kvpress_check)

@@ -1,0 +1,199 @@
+"""The kvpress cross-check (polykv_cpp.evaluation.kvpress_check) on a tiny random Qwen2 model and its GGUF twin.
+
+The shared prefill must give, for every press, the cache kvpress's own hooks give; the whole check must replay
+an eval run's samples and agree with our runtime where both run the same thing (FullKV on fp32 twins)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+kvpress = pytest.importorskip("kvpress")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from conftest import run_cli  # noqa: E402
+from tiny_models import TinyConfig, tiny_hf_qwen2, write_qwen2_gguf_from_hf  # noqa: E402
+
+from polykv_cpp.evaluation import kvpress_check as K  # noqa: E402
+from polykv_cpp.evaluation.runner import EvalConfig, run_eval  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """A tiny HF Qwen2 checkpoint and its fp32 GGUF twin."""
+    d = tmp_path_factory.mktemp("kvp")
+    model = tiny_hf_qwen2(TinyConfig(n_layer=3), seed=1)
+    model.save_pretrained(d / "hf")
+    write_qwen2_gguf_from_hf(model, d / "tiny.gguf")
+    return d
+
+
+def _kvpress_own_cache(model, press, ids):
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with torch.no_grad(), press(model):
+        model(input_ids=torch.tensor([ids]), past_key_values=cache)
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+@pytest.mark.parametrize("n_ids,ratio_budget", [(150, 24), (150, 70), (1600, 700)])
+def test_shared_prefill_gives_the_cache_of_kvpress_own_hooks(twins, n_ids, ratio_budget):
+    from transformers import AutoModelForCausalLM
+
+    sdpa = AutoModelForCausalLM.from_pretrained(twins / "hf", dtype=torch.float32, attn_implementation="sdpa").eval()
+    eager = AutoModelForCausalLM.from_pretrained(twins / "hf", dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 380, (n_ids,), generator=g).tolist()
+    presses = {m: K.make_press(kvpress, m, K.ratio_for(ratio_budget, len(ids))) for m in K.PRESS_OF}
+    shared = K.SharedPrefill(sdpa, presses)
+    logits, full = shared.run(ids)
+    with torch.no_grad():
+        ref_logits = sdpa(input_ids=torch.tensor([ids])).logits[0, -1]
+    torch.testing.assert_close(logits, ref_logits)  # the presses never change the prefill's own output
+    assert [k.shape[2] for k, _ in K.full_layers(full)] == [n_ids] * 3
+    # kvpress needs eager attention for ObservedAttentionPress. On the eager model the shared prefill passes it
+    # the layer's own attention weights; on SDPA it computes them (equal in layer 0, whose input does not
+    # depend on the attention kernel; later layers see SDPA's slightly different hidden states)
+    shared_eager = K.SharedPrefill(eager, {m: presses[m] for m in K.NEEDS_ATTENTIONS})
+    shared_eager.run(ids)
+    for m in K.NEEDS_ATTENTIONS:
+        own = _kvpress_own_cache(eager, presses[m], ids)
+        torch.testing.assert_close(shared.kept[m][0], own[0])
+        shared.kept[m] = shared_eager.kept[m]
+    for m, press in presses.items():
+        own = _kvpress_own_cache(eager if m in K.NEEDS_ATTENTIONS else sdpa, press, ids)
+        got = shared.kept[m]
+        for layer, ((k0, v0), (k1, v1)) in enumerate(zip(own, got)):
+            assert k1.shape == k0.shape, (m, layer)
+            torch.testing.assert_close(k1, k0, msg=f"{m} layer {layer}")
+            torch.testing.assert_close(v1, v0, msg=f"{m} layer {layer}")
+        if m != "pyramidkv":
+            assert all(k.shape[2] == ratio_budget for k, _ in got), m
+        else:  # PyramidKV: the same average; a pyramid only when budget / beta >= window, else SnapKV's sizes
+            sizes = [k.shape[2] for k, _ in got]
+            assert abs(sum(sizes) / 3 - ratio_budget) <= 1
+            assert (sizes[0] > sizes[-1]) == (ratio_budget / press.beta >= press.window_size)
+
+
+def test_eager_attention_weights_match_transformers_eager(twins):
+    from transformers import AutoModelForCausalLM
+
+    eager = AutoModelForCausalLM.from_pretrained(twins / "hf", dtype=torch.float32,
+                                                 attn_implementation="eager").eval()
+    ids = torch.randint(3, 380, (1, 64), generator=torch.Generator().manual_seed(1))
+    seen = {}
+
+    def hook(module, args, kwargs, output):
+        cache = kwargs["past_key_values"]
+        keys = cache.layers[module.layer_idx].keys
+        seen["ours"] = K.eager_attention_weights(module, kwargs["hidden_states"], keys, kwargs["position_embeddings"])
+        seen["eager"] = output[1]
+
+    from transformers import DynamicCache
+
+    h = eager.model.layers[1].self_attn.register_forward_hook(hook, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            eager(input_ids=ids, past_key_values=DynamicCache())
+    finally:
+        h.remove()
+    torch.testing.assert_close(seen["ours"], seen["eager"], atol=1e-6, rtol=1e-5)
+
+
+def test_ratio_for_keeps_exactly_the_budget():
+    from kvpress.utils import compute_n_kept
+
+    for n in (33, 100, 511, 4000, 8191):
+        for b in (1, 7, 32, 128, 500, 1024):
+            r = K.ratio_for(b, n)
+            assert compute_n_kept(n, r) == min(b, n) if r else b >= n
+
+
+def test_make_press_uses_our_window_kernel_and_sinks():
+    from polykv_cpp.plan import DEFAULT_PARAMS
+
+    s = K.make_press(kvpress, "snapkv", 0.5)
+    assert (s.window_size, s.kernel_size) == (DEFAULT_PARAMS["snapkv"]["obs_window"],
+                                              DEFAULT_PARAMS["snapkv"]["pool_kernel"])
+    assert K.make_press(kvpress, "streamingllm", 0.5).n_sink == DEFAULT_PARAMS["streamingllm"]["n_sink"]
+    own = K.make_press(kvpress, "snapkv", 0.5, own_params=True)
+    assert (own.window_size, own.kernel_size) == (kvpress.SnapKVPress().window_size, kvpress.SnapKVPress().kernel_size)
+    with pytest.raises(K.KVPressCheckError, match="no kvpress press"):
+        K.make_press(kvpress, "polykv", 0.5)
+
+
+@pytest.fixture(scope="module")
+def eval_run(twins):
+    out = twins / "eval"
+    cfg = EvalConfig(model=str(twins / "tiny.gguf"), out_dir=str(out), lengths=[400], budgets=[40],
+                     methods=["fullkv", "streamingllm", "snapkv", "h2o"], tasks=["niah_single", "vt"],
+                     n_samples=1, ppl=False, n_ubatch=64, n_threads=1, progress=False, png=False)
+    run_eval(cfg, log=lambda m: None)
+    return out
+
+
+def test_check_replays_the_eval_samples_and_agrees_on_fullkv(twins, eval_run, tmp_path):
+    cfg = K.KVPressCheckConfig(results=str(eval_run), out_dir=str(tmp_path / "kvp"), hf_model=str(twins / "hf"),
+                               n_threads=1, progress=False)
+    data = K.run_kvpress_check(cfg, log=lambda m: None)
+    ours = json.loads((eval_run / "results.json").read_text())
+    n_ours = len([r for r in ours["records"] if r["kind"] == "ruler"])
+    # every (sample, protocol, method, budget) of the eval run, once
+    assert len(data["records"]) == n_ours == 2 * 2 * (1 + 3)
+    for r in data["records"]:
+        assert r["ours_prediction"] is not None
+        if r["method"] == K.FULLKV:
+            # the same fp32 weights and token ids: transformers and llama.cpp answer alike without compression
+            assert r["same_answer"], (r["prediction"], r["ours_prediction"])
+            assert r["kept_per_layer"] == [r["n_compressed"]] * 3
+        else:
+            assert r["kept_per_layer"] == [40] * 3
+        if r["protocol"] == "query-agnostic":
+            assert r["n_compressed"] < r["n_prompt"]
+        else:
+            assert r["n_compressed"] == r["n_prompt"]
+    s = data["summary"]["query-aware"]
+    assert s[K.FULLKV]["None"]["same_answer"] == 100 and s[K.FULLKV]["None"]["ours"] == s[K.FULLKV]["None"]["kvpress"]
+    assert set(s) == {K.FULLKV, "streamingllm", "snapkv", "h2o"}
+    out = tmp_path / "kvp"
+    md = (out / "results.md").read_text()
+    assert "| snapkv | 40 |" in md and "Known differences" in md
+    assert all((out / p).read_bytes().startswith(PNG_MAGIC) for p in data["plots"]) and len(data["plots"]) == 2
+    assert json.loads((out / "results.json").read_text())["format"] == K.RESULTS_FORMAT
+
+
+def test_check_refuses_what_the_run_does_not_have(twins, eval_run, tmp_path):
+    def check(**kw):
+        cfg = K.KVPressCheckConfig(results=str(eval_run), out_dir=str(tmp_path / "x"), hf_model=str(twins / "hf"),
+                                   progress=False, **kw)
+        K.KVPressCheck(cfg, log=lambda m: None).setup()
+
+    with pytest.raises(K.KVPressCheckError, match="no task results for .*snapkv@128"):
+        check(budgets=[128])
+    with pytest.raises(K.KVPressCheckError, match="no kvpress press for polykv"):
+        check(methods=["polykv"])
+    with pytest.raises(K.KVPressCheckError, match="not in the eval run"):
+        check(tasks=["cwe"])
+    with pytest.raises(K.KVPressCheckError, match="not a finished"):
+        K.KVPressCheck(K.KVPressCheckConfig(results=str(tmp_path / "nothing")), log=lambda m: None).setup()
+
+
+def test_cli_kvpress_check(cli_exe, twins, eval_run, tmp_path):
+    r = run_cli(cli_exe, "kvpress-check", str(eval_run), "-o", str(tmp_path / "c"), "--hf", str(twins / "hf"),
+                "--methods", "snapkv", "--protocol", "query-aware", "--no-progress", "--no-png", "-t", "1")
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "c" / "results.json").read_text())
+    assert {r["method"] for r in data["records"]} == {K.FULLKV, "snapkv"}
+    assert {r["protocol"] for r in data["records"]} == {"query-aware"}
+    bad = run_cli(cli_exe, "kvpress-check", str(tmp_path / "missing"))
+    assert bad.returncode == 2 and "not a finished" in bad.stderr and "Traceback" not in bad.stderr
