@@ -13,7 +13,10 @@ from typing import Any
 from polykv_cpp.errors import CalibrationError
 
 from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES
-from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES
+from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, TASKS_DATASET
+
+PROTOCOL_CHOICES = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),
+                    "both": ("query-aware", "query-agnostic")}
 
 
 def _csv(s: str) -> list[str]:
@@ -40,6 +43,9 @@ def _params(items: list[str] | None) -> dict[str, dict[str, Any]]:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.method == "runtime":
         return _cmd_runtime(args)
+    if args.dataset == TASKS_DATASET:
+        raise CalibrationError("--dataset tasks needs --method runtime (the tasks are scored on the model's own "
+                               "FullKV answers, through the runtime)")
     from calibration.core import calibrate
 
     if args.samples is None:
@@ -73,7 +79,8 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
     res = runtime_calibrate(
         args.gguf, args.out, budget=args.budget, samples=args.samples or RUNTIME_SAMPLES, ctx=args.ctx,
         n_cont=args.n_cont, patterns=_csv(args.patterns), b_min=args.b_min, dataset=args.dataset, seed=args.seed,
-        text_field=args.text_field, split=args.split, budget_moves=not args.no_budget_moves,
+        text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
+        protocols=PROTOCOL_CHOICES[args.protocol], budget_moves=not args.no_budget_moves,
         min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet)
     print(res.plan.summary())
     print("KL vs FullKV on the calibration continuations: " +
@@ -100,7 +107,7 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--plan-out", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--budget", type=int, default=512, help="average KV tokens per layer (default 512)")
     p.add_argument("--dataset", default="builtin", help="builtin (offline: Python stdlib sources; default), "
-                   "generated, a local .txt/.json/.jsonl/.parquet file or directory, or a HF dataset name[:config]")
+                   "generated, tasks (--method runtime: the eval's synthetic tasks, another seed), a local .txt/.json/.jsonl/.parquet file or directory, or a HF dataset name[:config]")
     p.add_argument("--text-field", default="text", help="text field of json/jsonl/parquet/HF records")
     p.add_argument("--split", default="train", help="split of a HF dataset (default train)")
     p.add_argument("--method", default="transformers", choices=("transformers", "runtime"),
@@ -136,4 +143,8 @@ def register_cli(subparsers: Any) -> None:
     g.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
                    help=f"keep a change when it lowers the KL by more than this fraction (default {DEFAULT_MIN_GAIN})")
     g.add_argument("--no-budget-moves", action="store_true", help="search patterns only (uniform budgets)")
+    g.add_argument("--tasks", default=None, metavar="LIST",
+                   help="with --dataset tasks: comma list of the eval's synthetic tasks (default: all)")
+    g.add_argument("--protocol", default="query-aware", choices=list(PROTOCOL_CHOICES),
+                   help="with --dataset tasks: what is compressed (default query-aware: the whole prompt)")
     p.set_defaults(func=cmd_calibrate)

@@ -17,6 +17,12 @@ continuation of calibration texts whose context was compressed (``docs/calibrati
   (a layer gets ``budget/2`` more or less, the others pay or receive in proportion to what they hold above
   ``b_min``) where the KL drops. A change is kept when it lowers the KL by more than ``min_gain`` (relative).
 
+Calibration data: natural texts (``dataset`` as for the transformers method), or ``dataset="tasks"``: the
+synthetic long-context tasks of ``polykv-cpp eval`` generated with seed ``1000 + seed`` (never the evaluation's
+samples), each continued by the model's own FullKV answer; KL is scored on the answer tokens only, in the
+query-aware protocol (whole prompt compressed) and/or the query-agnostic one (context compressed, then question
+and answer fed).
+
 Limits: the search measures the prefill phase (the decode phase uses each layer's prefill pattern and budget);
 the plan fits the calibration texts and the budget it was searched at (other budgets rescale it with
 ``Plan.scaled``); every measured plan costs ``samples x n_cont`` tokens of forward, so the search is about
@@ -37,6 +43,10 @@ from polykv_cpp.errors import CalibrationError
 
 DEFAULT_SAMPLES = 4
 DEFAULT_MIN_GAIN = 0.01
+#: ``dataset`` value for the synthetic tasks of ``polykv-cpp eval`` (RULER-style), with the model's FullKV answers
+TASKS_DATASET = "tasks"
+#: task samples for calibration use seed ``TASK_SEED_OFFSET + seed``: never the evaluation's default seeds
+TASK_SEED_OFFSET = 1000
 
 
 @dataclass
@@ -86,49 +96,106 @@ def move_budget(budgets: Sequence[int], layer: int, delta: int, b_min: int) -> l
     return b
 
 
+@dataclass
+class CalibrationItem:
+    """A context that is compressed, and the continuation fed after it. KL is scored on the continuation's
+    next-token distributions from index ``score_from`` on (earlier ones belong to a question, not scored)."""
+
+    context: list[int]
+    continuation: list[int]
+    score_from: int = 0
+
+
+def text_items(samples: Sequence[Sequence[int]], n_cont: int) -> list[CalibrationItem]:
+    """Calibration texts: the last ``n_cont`` tokens of each sample continue the rest."""
+    return [CalibrationItem(list(s[:-n_cont]), list(s[-n_cont:])) for s in samples]
+
+
+def _portable_fullkv(model, n_ctx: int, n_batch: int, n_threads: int | None):
+    from polykv_cpp import plan as plan_mod
+
+    model.set_plan(plan_mod.uniform_plan(model.n_layer, plan_mod.FULLKV, n_ctx), prefill="portable")
+    return model.context(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=512, n_threads=n_threads)
+
+
+def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, seed: int,
+               protocols: Sequence[str], n_threads: int | None, progress: bool) -> list[CalibrationItem]:
+    """Synthetic long-context tasks (the generators of ``polykv-cpp eval``, another seed) with the model's
+    own FullKV answer as continuation. query-aware: the whole prompt is compressed and the answer scored;
+    query-agnostic: the context is compressed, question + answer are fed and only the answer is scored."""
+    from polykv_cpp.evaluation import tasks as T
+    from polykv_cpp.evaluation.runner import read_answer
+
+    builder = T.PromptBuilder(lambda t, a, p: model.tokenize(t, add_special=a, parse_special=p),
+                              T.detect_chat_format(model.meta("tokenizer.chat_template")))
+    samples = T.generate_ruler(tasks, [length], n_per_task, seed, lambda s: builder.count(s) + s.max_new_tokens,
+                               stop_at_newline=builder.chat.name == "none")
+    prompts = [builder.build(s, max_prompt=s.length - s.max_new_tokens) for s in samples]
+    n_ctx = int(np.ceil((max(p.n_prompt + s.max_new_tokens for s, p in zip(samples, prompts)) + 1) / 256) * 256)
+    items: list[CalibrationItem] = []
+    it = list(zip(samples, prompts))
+    if progress:
+        from tqdm import tqdm
+        it = tqdm(it, desc="FullKV answers", unit="sample", file=sys.stderr)
+    with _portable_fullkv(model, n_ctx, 512, n_threads) as ctx:
+        for s, p in it:
+            ctx.clear()
+            gen = ctx.generate_tokens(p.tokens, max_tokens=s.max_new_tokens)
+            toks: list[int] = []
+            try:
+                _, n = read_answer((toks.append(t) or t for t in gen), model, s)
+            finally:
+                gen.close()
+            answer = toks[:n]
+            if len(answer) < 2:
+                continue  # nothing to score after the first answer token
+            if "query-aware" in protocols:
+                items.append(CalibrationItem(p.tokens, answer))
+            if "query-agnostic" in protocols:
+                items.append(CalibrationItem(p.part1, p.part2 + answer, score_from=len(p.part2) - 1))
+    if not items:
+        raise CalibrationError("no calibration task produced an answer of two tokens or more")
+    return items
+
+
 class _Measure:
     """Contexts prefilled once (portable) and the FullKV reference of their continuations."""
 
-    def __init__(self, model, samples: list[list[int]], n_cont: int, n_threads: int | None, progress: bool):
-        from polykv_cpp import plan as plan_mod
-
+    def __init__(self, model, items: list[CalibrationItem], n_threads: int | None, progress: bool):
         self.model = model
         self.n_layer = model.n_layer
-        T = max(len(s) for s in samples)
+        T = max(len(i.context) + len(i.continuation) for i in items)
         self.n_ctx = int(np.ceil((T + 1) / 256) * 256)
-        self.n_cont = n_cont
+        self.n_batch = max(512, max(len(i.continuation) for i in items))
         self.n_threads = n_threads
         self.n_measured = 0
-        self.items: list[tuple[Any, list[int], np.ndarray]] = []
-        full = plan_mod.uniform_plan(self.n_layer, plan_mod.FULLKV, self.n_ctx)
-        model.set_plan(full, prefill="portable")
-        it = samples
+        self.items: list[tuple[Any, CalibrationItem, np.ndarray]] = []
+        it = items
         if progress:
             from tqdm import tqdm
-            it = tqdm(samples, desc="prefill (once)", unit="sample", file=sys.stderr)
-        with self._context() as ctx:
-            for s in it:
+            it = tqdm(items, desc="prefill (once)", unit="sample", file=sys.stderr)
+        with _portable_fullkv(model, self.n_ctx, self.n_batch, n_threads) as ctx:
+            for item in it:
                 ctx.clear()
-                ctx.decode(s[:-n_cont])
+                ctx.decode(item.context)
                 snap = ctx.snapshot()
-                ctx.decode(s[-n_cont:], all_logits=True)
-                ref = _log_softmax(np.stack([ctx.logits(i) for i in range(n_cont)]))
-                self.items.append((snap, s[-n_cont:], ref))
+                self.items.append((snap, item, self._logprobs(ctx, item)))
 
-    def _context(self):
-        return self.model.context(n_ctx=self.n_ctx, n_batch=max(512, self.n_cont), n_ubatch=512,
-                                  n_threads=self.n_threads)
+    @staticmethod
+    def _logprobs(ctx, item: CalibrationItem) -> np.ndarray:
+        ctx.decode(item.continuation, all_logits=True)
+        return _log_softmax(np.stack([ctx.logits(i) for i in range(item.score_from, len(item.continuation))]))
 
     def kl(self, plan) -> float:
-        """Mean KL(FullKV || plan) in nats per continuation token, over all samples."""
+        """Mean over items of KL(FullKV || plan) in nats per scored continuation token."""
         self.model.set_plan(plan, prefill="portable")
         total = 0.0
-        with self._context() as ctx:
-            for snap, cont, ref in self.items:
+        with self.model.context(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=512,
+                                n_threads=self.n_threads) as ctx:
+            for snap, item, ref in self.items:
                 ctx.restore(snap)
                 ctx.compress_prompt()
-                ctx.decode(cont, all_logits=True)
-                lp = _log_softmax(np.stack([ctx.logits(i) for i in range(len(cont))]))
+                lp = self._logprobs(ctx, item)
                 total += float(np.mean(np.sum(np.exp(ref) * (ref - lp), axis=-1, dtype=np.float64)))
         self.n_measured += 1
         return total / len(self.items)
@@ -151,7 +218,9 @@ def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget:
 def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, samples: int = DEFAULT_SAMPLES,
                       ctx: int = 2048, n_cont: int = 128, patterns: Sequence[str] = ("streamingllm", "h2o",
                       "snapkv", "tova", "knorm"), b_min: int | None = None, dataset: str = "builtin",
-                      seed: int = 0, text_field: str = "text", split: str = "train", budget_moves: bool = True,
+                      seed: int = 0, text_field: str = "text", split: str = "train",
+                      tasks: Sequence[str] | None = None, protocols: Sequence[str] = ("query-aware",),
+                      budget_moves: bool = True,
                       min_gain: float = DEFAULT_MIN_GAIN, plan_out: str | Path | None = None,
                       n_threads: int | None = None, progress: bool = True,
                       log: Callable[[str], None] | None = None) -> RuntimeCalibration:
@@ -170,26 +239,51 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
     bad = [p for p in patterns if p not in plan_mod.KNOWN_PATTERNS or p == plan_mod.FULLKV]
     if bad or not patterns:
         raise CalibrationError(f"runtime calibration patterns must be budgeted patterns (got {bad or 'none'})")
-    if n_cont < 2 or n_cont >= ctx // 2:
+    from_tasks = dataset == TASKS_DATASET
+    if from_tasks:
+        from polykv_cpp.evaluation.runner import PROTOCOLS
+        from polykv_cpp.evaluation.tasks import RULER_TASKS
+
+        tasks = list(tasks or RULER_TASKS)
+        bad = [t for t in tasks if t not in RULER_TASKS] + [p for p in protocols if p not in PROTOCOLS]
+        if bad or not protocols:
+            raise CalibrationError(f"unknown task(s)/protocol(s) {bad or 'none'} (tasks: {', '.join(RULER_TASKS)}; "
+                                   f"protocols: {', '.join(PROTOCOLS)})")
+        n_cont = 0  # the continuation is each task's FullKV answer
+    elif n_cont < 2 or n_cont >= ctx // 2:
         raise CalibrationError(f"--n-cont must be in [2, ctx/2) (got {n_cont})")
     reserved = max(plan_mod.uniform_plan(1, p, budget).layers[0].prefill.reserved for p in patterns)
     b_min = b_min if b_min is not None else min(budget, max(budget // 4, reserved))
     if not reserved <= b_min <= budget:
         raise CalibrationError(f"b_min {b_min} must be within [{reserved}, {budget}] (sinks + windows of the "
                                "patterns, and the budget)")
-    if budget >= ctx - n_cont:
-        raise CalibrationError(f"budget {budget} keeps the whole context of {ctx - n_cont} tokens: nothing to "
-                               "measure; use a larger --ctx")
+    n_compressed = ctx - (128 if from_tasks else n_cont)  # tasks: the prompt leaves room for question + answer
+    if budget >= n_compressed:
+        raise CalibrationError(f"budget {budget} keeps the whole context of about {n_compressed} tokens: nothing "
+                               "to measure; use a larger --ctx")
 
     with Model(gguf) as model:
         n_layer = model.n_layer
-        data = load_calibration_data(dataset, lambda t: model.tokenize(t, add_special=False, parse_special=False),
-                                     ctx=ctx,
-                                     n_samples=samples, seed=seed, text_field=text_field, split=split,
-                                     tokenizer_desc="the GGUF's own")
-        log(f"runtime calibration of {gguf.name}: {n_layer} layers, budget {budget}, b_min {b_min}, "
-            f"{samples} samples x {ctx} tokens (continuation {n_cont}), patterns {', '.join(patterns)}")
-        m = _Measure(model, data.samples, n_cont, n_threads, progress)
+        if from_tasks:
+            task_seed = TASK_SEED_OFFSET + seed
+            log(f"runtime calibration of {gguf.name}: {n_layer} layers, budget {budget}, b_min {b_min}, "
+                f"{samples} sample(s) x {len(tasks)} task(s) x {ctx} tokens (seed {task_seed}), "
+                f"{', '.join(protocols)}, patterns {', '.join(patterns)}")
+            items = task_items(model, tasks=tasks, length=ctx, n_per_task=samples, seed=task_seed,
+                               protocols=protocols, n_threads=n_threads, progress=progress)
+            description = {"dataset": TASKS_DATASET, "tasks": tasks, "protocols": list(protocols), "ctx": ctx,
+                           "n_samples": samples, "seed": task_seed, "n_items": len(items),
+                           "continuation": "the model's FullKV answer"}
+        else:
+            data = load_calibration_data(dataset, lambda t: model.tokenize(t, add_special=False,
+                                                                           parse_special=False),
+                                         ctx=ctx, n_samples=samples, seed=seed, text_field=text_field, split=split,
+                                         tokenizer_desc="the GGUF's own")
+            log(f"runtime calibration of {gguf.name}: {n_layer} layers, budget {budget}, b_min {b_min}, "
+                f"{samples} samples x {ctx} tokens (continuation {n_cont}), patterns {', '.join(patterns)}")
+            items = text_items(data.samples, n_cont)
+            description = data.description
+        m = _Measure(model, items, n_threads, progress)
         n_total = len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
         bar = None
         if progress:
@@ -237,7 +331,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
 
         info = plan_mod.ModelInfo.from_gguf(gguf)
         prov = plan_mod.Provenance.now(
-            model=info, calibration={**data.description, "method": "runtime", "n_cont": n_cont},
+            model=info, calibration={**description, "method": "runtime", "n_cont": n_cont},
             signals=["kl_runtime"],
             extra={"kl_uniform": uniform, "kl_plan": cur, "plans_measured": m.n_measured,
                    "accepted": [s.what for s in steps if s.accepted]})

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Install polykv-cpp with its test and calibration extras, then run the whole test suite.
+# Install polykv-cpp with its test, calibration and kvpress extras, then run the whole test suite.
 # The real-model tests download the packaged default model once (cached); POLYKV_SKIP_SLOW=1 skips them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
-python -m pip install -q --disable-pip-version-check ".[test,calibrate]"
+python -m pip install -q --disable-pip-version-check ".[test,calibrate,kvpress]"
 # run the pytest script (not `python -m pytest`) so that the installed package, not ./polykv_cpp, is imported
 exec pytest -q -p no:cacheprovider tests "$@"

@@ -5,7 +5,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from calibration.runtime import _Measure, build, move_budget, runtime_calibrate
+from calibration.runtime import TASK_SEED_OFFSET, _Measure, build, move_budget, runtime_calibrate, task_items, text_items
 from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import CalibrationError
@@ -56,7 +56,7 @@ def test_measure_is_zero_for_fullkv_and_reproducible(tiny_gguf):
     with Model(tiny_gguf) as model:
         samples = pack(generated_texts(0, n=8, words=400), lambda t: model.tokenize(t, add_special=False),
                        ctx=256, n_samples=2)
-        m = _Measure(model, samples, 16, None, False)
+        m = _Measure(model, text_items(samples, 16), None, False)
         full = plan_mod.uniform_plan(2, "fullkv", m.n_ctx)
         assert m.kl(full) == pytest.approx(0.0, abs=1e-6)
         p = build(2, ["snapkv", "h2o"], [40, 56], 48, 32)
@@ -85,3 +85,50 @@ def test_cli_runtime_method(cli_exe, tiny_gguf, tmp_path):
     assert plan_mod.load(plan_json).budget_rule == "search"
     r = run_cli(cli_exe, "calibrate", "--method", "runtime", "--gguf", tmp_path / "nope.gguf", "-q")
     assert r.returncode != 0 and "not found" in r.stderr
+
+
+def test_task_items_continue_each_prompt_with_the_fullkv_answer(tiny_gguf):
+    from polykv_cpp.evaluation import tasks as T
+
+    with Model(tiny_gguf) as model:
+        items = task_items(model, tasks=["niah_single", "vt"], length=500, n_per_task=1, seed=TASK_SEED_OFFSET,
+                           protocols=("query-aware", "query-agnostic"), n_threads=1, progress=False)
+        assert len(items) == 4
+        builder = T.PromptBuilder(lambda t, a, p: model.tokenize(t, add_special=a, parse_special=p), "none")
+        samples = T.generate_ruler(["niah_single", "vt"], [500], 1, TASK_SEED_OFFSET,
+                                   lambda s: builder.count(s) + s.max_new_tokens, stop_at_newline=True)
+        for k, s in enumerate(samples):
+            aware, agnostic = items[2 * k], items[2 * k + 1]
+            p = builder.build(s, max_prompt=s.length - s.max_new_tokens)
+            assert aware.context == p.tokens and aware.score_from == 0
+            assert agnostic.context == p.part1 and agnostic.continuation[:len(p.part2)] == p.part2
+            assert agnostic.continuation[len(p.part2):] == aware.continuation
+            assert agnostic.score_from == len(p.part2) - 1
+            # the continuation is what a stock FullKV context answers (greedy)
+            model.set_plan(None)
+            with model.context(n_ctx=1024, n_threads=1) as ctx:
+                stock = list(ctx.generate_tokens(p.tokens, max_tokens=len(aware.continuation)))
+            assert stock == aware.continuation
+        # the measure scores only the answer: FullKV gives 0, a compressed plan more
+        m = _Measure(model, items, 1, False)
+        assert m.kl(plan_mod.uniform_plan(2, "fullkv", m.n_ctx)) == pytest.approx(0.0, abs=1e-6)
+        assert m.kl(build(2, ["snapkv", "h2o"], [48, 48], 48, 32)) > 1e-4
+
+
+def test_runtime_calibration_on_tasks(tiny_gguf, tmp_path):
+    res = runtime_calibrate(tiny_gguf, None, budget=48, samples=1, ctx=500, dataset="tasks",
+                            tasks=["niah_single", "qa"], protocols=("query-aware", "query-agnostic"),
+                            patterns=("streamingllm", "snapkv"), budget_moves=False, plan_out=tmp_path / "p.json",
+                            progress=False, log=lambda m: None)
+    cal = res.plan.provenance.calibration
+    assert cal["dataset"] == "tasks" and cal["seed"] == TASK_SEED_OFFSET and cal["tasks"] == ["niah_single", "qa"]
+    assert cal["n_items"] == 4 and res.kl_plan <= min(res.kl_uniform.values())
+    assert plan_mod.load(tmp_path / "p.json").budget_rule == "search"
+    with pytest.raises(CalibrationError, match="unknown task"):
+        runtime_calibrate(tiny_gguf, None, budget=48, dataset="tasks", tasks=["nope"], ctx=500, progress=False,
+                          log=lambda m: None)
+
+
+def test_cli_tasks_dataset_needs_the_runtime_method(cli_exe, tiny_gguf):
+    r = run_cli(cli_exe, "calibrate", "--gguf", tiny_gguf, "--dataset", "tasks", "-q")
+    assert r.returncode == 2 and "--method runtime" in r.stderr

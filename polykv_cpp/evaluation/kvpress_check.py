@@ -136,11 +136,12 @@ def eager_attention_weights(module: Any, hidden_states: Any, keys: Any, position
     cos, sin = position_embeddings
     q, _ = apply_rotary_pos_emb(q, q, cos, sin)
     k = repeat_kv(keys, q.shape[1] // keys.shape[1])
-    w = torch.matmul(q, k.transpose(2, 3)) * module.scaling
+    w = torch.matmul(q.float(), k.float().transpose(2, 3)).mul_(module.scaling)
     n_q, n_k = w.shape[-2], w.shape[-1]
-    mask = torch.ones(n_q, n_k, dtype=torch.bool, device=w.device).triu(n_k - n_q + 1)
-    w = w.masked_fill(mask, float("-inf"))
-    return torch.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    w.masked_fill_(torch.ones(n_q, n_k, dtype=torch.bool, device=w.device).triu(n_k - n_q + 1), float("-inf"))
+    # softmax in place: at 4K tokens one [heads, n, n] matrix is ~1 GB, a copy per step would double it
+    w.sub_(w.amax(dim=-1, keepdim=True)).exp_()
+    return w.div_(w.sum(dim=-1, keepdim=True)).to(q.dtype)
 
 
 class SharedPrefill:
