@@ -104,6 +104,7 @@ class CalibrationItem:
     context: list[int]
     continuation: list[int]
     score_from: int = 0
+    snapshot: Any = None  # the FullKV portable state after `context`, when already computed
 
 
 def text_items(samples: Sequence[Sequence[int]], n_cont: int) -> list[CalibrationItem]:
@@ -119,10 +120,12 @@ def _portable_fullkv(model, n_ctx: int, n_batch: int, n_threads: int | None):
 
 
 def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, seed: int,
-               protocols: Sequence[str], n_threads: int | None, progress: bool) -> list[CalibrationItem]:
+               protocols: Sequence[str], n_threads: int | None, progress: bool
+               ) -> tuple[list[CalibrationItem], int]:
     """Synthetic long-context tasks (the generators of ``polykv-cpp eval``, another seed) with the model's
-    own FullKV answer as continuation. query-aware: the whole prompt is compressed and the answer scored;
-    query-agnostic: the context is compressed, question + answer are fed and only the answer is scored."""
+    own FullKV answer as continuation, and the n_ctx their snapshots need. query-aware: the whole prompt is
+    compressed and the answer scored; query-agnostic: the context is compressed, question + answer are fed and
+    only the answer is scored. One portable prefill per sample serves both (snapshots after each part)."""
     from polykv_cpp.evaluation import tasks as T
     from polykv_cpp.evaluation.runner import read_answer
 
@@ -140,7 +143,12 @@ def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, see
     with _portable_fullkv(model, n_ctx, 512, n_threads) as ctx:
         for s, p in it:
             ctx.clear()
-            gen = ctx.generate_tokens(p.tokens, max_tokens=s.max_new_tokens)
+            ctx.decode(p.part1)
+            after_context = ctx.snapshot()
+            ctx.decode(p.part2)
+            after_prompt = ctx.snapshot()
+            ctx.restore(after_prompt)
+            gen = ctx.generate_tokens([], max_tokens=s.max_new_tokens)
             toks: list[int] = []
             try:
                 _, n = read_answer((toks.append(t) or t for t in gen), model, s)
@@ -150,22 +158,24 @@ def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, see
             if len(answer) < 2:
                 continue  # nothing to score after the first answer token
             if "query-aware" in protocols:
-                items.append(CalibrationItem(p.tokens, answer))
+                items.append(CalibrationItem(p.tokens, answer, snapshot=after_prompt))
             if "query-agnostic" in protocols:
-                items.append(CalibrationItem(p.part1, p.part2 + answer, score_from=len(p.part2) - 1))
+                items.append(CalibrationItem(p.part1, p.part2 + answer, score_from=len(p.part2) - 1,
+                                             snapshot=after_context))
     if not items:
         raise CalibrationError("no calibration task produced an answer of two tokens or more")
-    return items
+    return items, n_ctx
 
 
 class _Measure:
     """Contexts prefilled once (portable) and the FullKV reference of their continuations."""
 
-    def __init__(self, model, items: list[CalibrationItem], n_threads: int | None, progress: bool):
+    def __init__(self, model, items: list[CalibrationItem], n_threads: int | None, progress: bool,
+                 n_ctx: int | None = None):
         self.model = model
         self.n_layer = model.n_layer
         T = max(len(i.context) + len(i.continuation) for i in items)
-        self.n_ctx = int(np.ceil((T + 1) / 256) * 256)
+        self.n_ctx = n_ctx or int(np.ceil((T + 1) / 256) * 256)
         self.n_batch = max(512, max(len(i.continuation) for i in items))
         self.n_threads = n_threads
         self.n_measured = 0
@@ -176,9 +186,13 @@ class _Measure:
             it = tqdm(items, desc="prefill (once)", unit="sample", file=sys.stderr)
         with _portable_fullkv(model, self.n_ctx, self.n_batch, n_threads) as ctx:
             for item in it:
-                ctx.clear()
-                ctx.decode(item.context)
-                snap = ctx.snapshot()
+                if item.snapshot is not None:
+                    snap = item.snapshot
+                    ctx.restore(snap)
+                else:
+                    ctx.clear()
+                    ctx.decode(item.context)
+                    snap = ctx.snapshot()
                 self.items.append((snap, item, self._logprobs(ctx, item)))
 
     @staticmethod
@@ -269,8 +283,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             log(f"runtime calibration of {gguf.name}: {n_layer} layers, budget {budget}, b_min {b_min}, "
                 f"{samples} sample(s) x {len(tasks)} task(s) x {ctx} tokens (seed {task_seed}), "
                 f"{', '.join(protocols)}, patterns {', '.join(patterns)}")
-            items = task_items(model, tasks=tasks, length=ctx, n_per_task=samples, seed=task_seed,
-                               protocols=protocols, n_threads=n_threads, progress=progress)
+            items, items_n_ctx = task_items(model, tasks=tasks, length=ctx, n_per_task=samples, seed=task_seed,
+                                            protocols=protocols, n_threads=n_threads, progress=progress)
             description = {"dataset": TASKS_DATASET, "tasks": tasks, "protocols": list(protocols), "ctx": ctx,
                            "n_samples": samples, "seed": task_seed, "n_items": len(items),
                            "continuation": "the model's FullKV answer"}
@@ -281,9 +295,9 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                                          tokenizer_desc="the GGUF's own")
             log(f"runtime calibration of {gguf.name}: {n_layer} layers, budget {budget}, b_min {b_min}, "
                 f"{samples} samples x {ctx} tokens (continuation {n_cont}), patterns {', '.join(patterns)}")
-            items = text_items(data.samples, n_cont)
+            items, items_n_ctx = text_items(data.samples, n_cont), None
             description = data.description
-        m = _Measure(model, items, n_threads, progress)
+        m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx)
         n_total = len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
         bar = None
         if progress:

@@ -1,6 +1,7 @@
 """`polykv-cpp calibrate --method runtime`: the plan search measured on the GGUF through the native cache."""
 
 import hashlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -91,8 +92,9 @@ def test_task_items_continue_each_prompt_with_the_fullkv_answer(tiny_gguf):
     from polykv_cpp.evaluation import tasks as T
 
     with Model(tiny_gguf) as model:
-        items = task_items(model, tasks=["niah_single", "vt"], length=500, n_per_task=1, seed=TASK_SEED_OFFSET,
-                           protocols=("query-aware", "query-agnostic"), n_threads=1, progress=False)
+        items, n_ctx = task_items(model, tasks=["niah_single", "vt"], length=500, n_per_task=1,
+                                  seed=TASK_SEED_OFFSET, protocols=("query-aware", "query-agnostic"), n_threads=1,
+                                  progress=False)
         assert len(items) == 4
         builder = T.PromptBuilder(lambda t, a, p: model.tokenize(t, add_special=a, parse_special=p), "none")
         samples = T.generate_ruler(["niah_single", "vt"], [500], 1, TASK_SEED_OFFSET,
@@ -110,9 +112,14 @@ def test_task_items_continue_each_prompt_with_the_fullkv_answer(tiny_gguf):
                 stock = list(ctx.generate_tokens(p.tokens, max_tokens=len(aware.continuation)))
             assert stock == aware.continuation
         # the measure scores only the answer: FullKV gives 0, a compressed plan more
-        m = _Measure(model, items, 1, False)
+        m = _Measure(model, items, 1, False, n_ctx=n_ctx)
         assert m.kl(plan_mod.uniform_plan(2, "fullkv", m.n_ctx)) == pytest.approx(0.0, abs=1e-6)
-        assert m.kl(build(2, ["snapkv", "h2o"], [48, 48], 48, 32)) > 1e-4
+        p = build(2, ["snapkv", "h2o"], [48, 48], 48, 32)
+        kl = m.kl(p)
+        assert kl > 1e-4
+        # the snapshots taken while answering equal a fresh prefill of each context
+        fresh = _Measure(model, [replace(i, snapshot=None) for i in items], 1, False, n_ctx=n_ctx)
+        assert fresh.kl(p) == pytest.approx(kl, rel=1e-5)
 
 
 def test_runtime_calibration_on_tasks(tiny_gguf, tmp_path):
