@@ -13,7 +13,7 @@ from typing import Any
 from polykv_cpp.errors import CalibrationError
 
 from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES
-from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, TASKS_DATASET
+from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, OBJECTIVES, TASKS_DATASET
 
 PROTOCOL_CHOICES = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),
                     "both": ("query-aware", "query-agnostic")}
@@ -80,11 +80,13 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         args.gguf, args.out, budget=args.budget, samples=args.samples or RUNTIME_SAMPLES, ctx=args.ctx,
         n_cont=args.n_cont, patterns=_csv(args.patterns), b_min=args.b_min, dataset=args.dataset, seed=args.seed,
         text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
-        protocols=PROTOCOL_CHOICES[args.protocol], budget_moves=not args.no_budget_moves,
+        protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
+        budget_moves=not args.no_budget_moves,
         min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet)
     print(res.plan.summary())
-    print("KL vs FullKV on the calibration continuations: " +
-          ", ".join(f"uniform {k} {v:.4f}" for k, v in res.kl_uniform.items()) + f"; plan {res.kl_plan:.4f}")
+    what = {"kl": "KL vs FullKV", "top1": "top-1 misses vs FullKV"}[res.objective]
+    print(f"{what} on the calibration continuations: " +
+          ", ".join(f"uniform {k} {v:.4f}" for k, v in res.loss_uniform.items()) + f"; plan {res.loss_plan:.4f}")
     if res.out is not None:
         print(f"wrote {res.out}")
     if args.plan_out:
@@ -145,6 +147,8 @@ def register_cli(subparsers: Any) -> None:
     g.add_argument("--no-budget-moves", action="store_true", help="search patterns only (uniform budgets)")
     g.add_argument("--tasks", default=None, metavar="LIST",
                    help="with --dataset tasks: comma list of the eval's synthetic tasks (default: all)")
+    g.add_argument("--objective", default=None, choices=list(OBJECTIVES),
+                   help="what the search minimizes (default: kl on texts, top1 on tasks)")
     g.add_argument("--protocol", default="query-aware", choices=list(PROTOCOL_CHOICES),
                    help="with --dataset tasks: what is compressed (default query-aware: the whole prompt)")
     p.set_defaults(func=cmd_calibrate)

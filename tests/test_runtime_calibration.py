@@ -43,8 +43,8 @@ def test_search_returns_a_valid_plan_no_worse_than_the_best_uniform(searched, ti
     plan = res.plan
     assert plan.n_layer == 2 and plan.budget_rule == "search"
     assert sum(lp.prefill.budget for lp in plan.layers) == 2 * 48
-    assert res.kl_plan <= min(res.kl_uniform.values())
-    assert all(v > 0 for v in res.kl_uniform.values())
+    assert res.objective == "kl" and res.loss_plan <= min(res.loss_uniform.values())
+    assert all(v > 0 for v in res.loss_uniform.values())
     accepted = [s.kl for s in res.steps if s.accepted]
     assert accepted == sorted(accepted, reverse=True)
     # the written GGUF carries the plan; measuring the plan again gives the same KL (deterministic)
@@ -114,9 +114,10 @@ def test_task_items_continue_each_prompt_with_the_fullkv_answer(tiny_gguf):
         # the measure scores only the answer: FullKV gives 0, a compressed plan more
         m = _Measure(model, items, 1, False, n_ctx=n_ctx)
         assert m.kl(plan_mod.uniform_plan(2, "fullkv", m.n_ctx)) == pytest.approx(0.0, abs=1e-6)
+        assert m.measure(plan_mod.uniform_plan(2, "fullkv", m.n_ctx))["top1"] == 0
         p = build(2, ["snapkv", "h2o"], [48, 48], 48, 32)
         kl = m.kl(p)
-        assert kl > 1e-4
+        assert kl > 1e-4 and 0 < m.measure(p)["top1"] <= 1
         # the snapshots taken while answering equal a fresh prefill of each context
         fresh = _Measure(model, [replace(i, snapshot=None) for i in items], 1, False, n_ctx=n_ctx)
         assert fresh.kl(p) == pytest.approx(kl, rel=1e-5)
@@ -129,7 +130,8 @@ def test_runtime_calibration_on_tasks(tiny_gguf, tmp_path):
                             progress=False, log=lambda m: None)
     cal = res.plan.provenance.calibration
     assert cal["dataset"] == "tasks" and cal["seed"] == TASK_SEED_OFFSET and cal["tasks"] == ["niah_single", "qa"]
-    assert cal["n_items"] == 4 and res.kl_plan <= min(res.kl_uniform.values())
+    assert cal["n_items"] == 4 and res.objective == "top1" and res.loss_plan <= min(res.loss_uniform.values())
+    assert 0 <= res.loss_plan <= 1
     assert plan_mod.load(tmp_path / "p.json").budget_rule == "search"
     with pytest.raises(CalibrationError, match="unknown task"):
         runtime_calibrate(tiny_gguf, None, budget=48, dataset="tasks", tasks=["nope"], ctx=500, progress=False,
