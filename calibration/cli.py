@@ -109,7 +109,8 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--plan-out", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--budget", type=int, default=512, help="average KV tokens per layer (default 512)")
     p.add_argument("--dataset", default="builtin", help="builtin (offline: Python stdlib sources; default), "
-                   "generated, tasks (--method runtime: the eval's synthetic tasks, another seed), a local .txt/.json/.jsonl/.parquet file or directory, or a HF dataset name[:config]")
+                   "generated, tasks (--method runtime: the eval's synthetic tasks, another seed), a local "
+                   ".txt/.json/.jsonl/.parquet file or directory, or a HF dataset name[:config]")
     p.add_argument("--text-field", default="text", help="text field of json/jsonl/parquet/HF records")
     p.add_argument("--split", default="train", help="split of a HF dataset (default train)")
     p.add_argument("--method", default="transformers", choices=("transformers", "runtime"),

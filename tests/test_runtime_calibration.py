@@ -6,7 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from calibration.runtime import TASK_SEED_OFFSET, _Measure, build, move_budget, runtime_calibrate, task_items, text_items
+from calibration.runtime import (TASK_SEED_OFFSET, _Measure, build, move_budget, runtime_calibrate, task_items,
+                                 text_items)
 from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import CalibrationError

@@ -40,7 +40,7 @@ import math
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -214,7 +214,7 @@ def full_layers(cache: Any) -> list[tuple[Any, Any]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def greedy_tokens(model: Any, cache: Any, n_context: int, *, first_logits: Any = None, question: list[int] = (),
+def greedy_tokens(model: Any, cache: Any, n_context: int, *, first_logits: Any = None, question: Sequence[int] = (),
                   max_new_tokens: int, stop: Callable[[int], bool]) -> Iterator[int]:
     """Greedy decoding after a (compressed) context of ``n_context`` positions, as kvpress's pipeline does:
     the question (if any) is forwarded with explicit position ids, then one token at a time. Without a
