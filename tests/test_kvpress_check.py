@@ -197,3 +197,25 @@ def test_cli_kvpress_check(cli_exe, twins, eval_run, tmp_path):
     assert {r["protocol"] for r in data["records"]} == {"query-aware"}
     bad = run_cli(cli_exe, "kvpress-check", str(tmp_path / "missing"))
     assert bad.returncode == 2 and "not a finished" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_question_after_layers_of_different_lengths(twins):
+    """PyramidKV leaves layers of different lengths; the question must still go in (query-agnostic)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(twins / "hf", dtype=torch.float32).eval()
+    ids = torch.randint(3, 380, (1600,), generator=torch.Generator().manual_seed(2)).tolist()
+    shared = K.SharedPrefill(model, {"pyramidkv": K.make_press(kvpress, "pyramidkv", K.ratio_for(700, 1600))})
+    shared.run(ids)
+    layers = shared.kept["pyramidkv"]
+    assert len({k.shape[2] for k, _ in layers}) == 3
+    question = [5, 6, 7, 8, 9]
+    toks = list(K.greedy_tokens(model, K.cache_of(layers), len(ids), question=question, max_new_tokens=4,
+                                stop=lambda t: False))
+    # the same as feeding the question token by token by hand
+    cache = K.cache_of(layers)
+    with torch.no_grad():
+        for i, t in enumerate(question):
+            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache,
+                        position_ids=torch.tensor([[len(ids) + i]]))
+    assert len(toks) == 4 and toks[0] == int(out.logits[0, -1].argmax())

@@ -222,13 +222,17 @@ def greedy_tokens(model: Any, cache: Any, n_context: int, *, first_logits: Any =
     import torch
 
     pos = n_context
+    # transformers builds one attention mask from layer 0's cache length: with layers of different lengths
+    # (PyramidKV) a multi-token forward fails, so the question then goes in one token at a time (same result)
+    uneven = len({layer.keys.shape[-2] for layer in cache.layers}) > 1
     with torch.no_grad():
         if question:
-            ids = torch.tensor([list(question)])
-            out = model(input_ids=ids, past_key_values=cache, logits_to_keep=1,
-                        position_ids=torch.arange(pos, pos + len(question)).unsqueeze(0))
+            chunks = [[t] for t in question] if uneven else [list(question)]
+            for chunk in chunks:
+                out = model(input_ids=torch.tensor([chunk]), past_key_values=cache, logits_to_keep=1,
+                            position_ids=torch.arange(pos, pos + len(chunk)).unsqueeze(0))
+                pos += len(chunk)
             logits = out.logits[0, -1]
-            pos += len(question)
         else:
             logits = first_logits
         for i in range(max_new_tokens):
