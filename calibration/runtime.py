@@ -19,9 +19,10 @@ continuation of calibration texts whose context was compressed (``docs/calibrati
 
 Calibration data: natural texts (``dataset`` as for the transformers method), or ``dataset="tasks"``: the
 synthetic long-context tasks of ``polykv-cpp eval`` generated with seed ``1000 + seed`` (never the evaluation's
-samples), each continued by the model's own FullKV answer; KL is scored on the answer tokens only, in the
+samples), each continued by the model's own FullKV answer; only the answer tokens are scored, in the
 query-aware protocol (whole prompt compressed) and/or the query-agnostic one (context compressed, then question
-and answer fed).
+and answer fed). The search minimizes the KL (``objective="kl"``, default on texts) or the share of scored
+tokens whose top-1 next token differs from FullKV's (``"top1"``, default on tasks).
 
 Limits: the search measures the prefill phase (the decode phase uses each layer's prefill pattern and budget);
 the plan fits the calibration texts and the budget it was searched at (other budgets rescale it with
@@ -152,14 +153,18 @@ def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, see
             after_context = ctx.snapshot()
             ctx.decode(p.part2)
             after_prompt = ctx.snapshot()
-            ctx.restore(after_prompt)
+            ctx.restore(after_prompt)  # generate_tokens([]) answers from a restored state's logits
             gen = ctx.generate_tokens([], max_tokens=s.max_new_tokens)
-            toks: list[int] = []
+            answer: list[int] = []
+
+            def recorded():
+                for tok in gen:
+                    answer.append(tok)
+                    yield tok
             try:
-                _, n = read_answer((toks.append(t) or t for t in gen), model, s)
+                read_answer(recorded(), model, s)  # stops where the eval stops reading an answer
             finally:
                 gen.close()
-            answer = toks[:n]
             if len(answer) < 2:
                 continue  # nothing to score after the first answer token
             if "query-aware" in protocols:
