@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import run_cli  # noqa: E402
 from tiny_models import TinyConfig, tiny_hf_qwen2, write_qwen2_gguf_from_hf  # noqa: E402
 
+from polykv_cpp.errors import PolyKVError  # noqa: E402
 from polykv_cpp.evaluation import kvpress_check as K  # noqa: E402
 from polykv_cpp.evaluation.runner import EvalConfig, run_eval  # noqa: E402
 
@@ -186,6 +187,12 @@ def test_check_refuses_what_the_run_does_not_have(twins, eval_run, tmp_path):
         check(tasks=["cwe"])
     with pytest.raises(K.KVPressCheckError, match="not a finished"):
         K.KVPressCheck(K.KVPressCheckConfig(results=str(tmp_path / "nothing")), log=lambda m: None).setup()
+    moved = json.loads((eval_run / "results.json").read_text())
+    moved["config"]["model"] = str(tmp_path / "gone.gguf")
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    with pytest.raises(PolyKVError, match="model not found"):
+        K.KVPressCheck(K.KVPressCheckConfig(results=str(tmp_path / "moved.json"), hf_model=str(twins / "hf")),
+                       log=lambda m: None).setup()
 
 
 def test_cli_kvpress_check(cli_exe, twins, eval_run, tmp_path):

@@ -299,8 +299,6 @@ class KVPressCheck:
         unknown = [t for t in tasks if t not in oc["tasks"]]
         if unknown:
             raise KVPressCheckError(f"task(s) {', '.join(unknown)} not in the eval run")
-        if not Path(oc["model"]).is_file() and not cfg.hf_model:
-            raise KVPressCheckError(f"the eval run's model {oc['model']} is missing")
         # the same samples and token ids as the eval run: its generator, seed and our tokenizer
         known = {f.name for f in fields(EvalConfig)}
         ecfg = EvalConfig(**{**{k: v for k, v in oc.items() if k in known}, "tasks": tasks, "ppl": False,
@@ -313,7 +311,7 @@ class KVPressCheck:
             if r is None or r["n_prompt"] != self.ev.prompts[s.key].n_prompt or r["answers"] != s.answers:
                 raise KVPressCheckError(f"sample {s.key} differs from the eval run's (another generator version "
                                         "or tokenizer); rerun the eval with this version")
-        self.hf_path = cfg.hf_model or str(self._convert(Path(oc["model"])))
+        self.hf_path = cfg.hf_model or str(self._convert(self.ev.model_path))
         self.hf = _load_hf(self.hf_path, cfg.n_threads)
         cls = type(self.hf).__name__
         supported = tuple(c.__name__ for c in self.kvpress.presses.base_press.SUPPORTED_MODELS)
