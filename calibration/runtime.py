@@ -118,6 +118,11 @@ def text_items(samples: Sequence[Sequence[int]], n_cont: int) -> list[Calibratio
     return [CalibrationItem(list(s[:-n_cont]), list(s[-n_cont:])) for s in samples]
 
 
+def _ctx_for(n_tokens: int) -> int:
+    """A context size for ``n_tokens`` tokens: one more, rounded up to 256."""
+    return int(np.ceil((n_tokens + 1) / 256) * 256)
+
+
 def _portable_fullkv(model, n_ctx: int, n_batch: int, n_threads: int | None):
     from polykv_cpp import plan as plan_mod
 
@@ -140,7 +145,7 @@ def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, see
     samples = T.generate_ruler(tasks, [length], n_per_task, seed, lambda s: builder.count(s) + s.max_new_tokens,
                                stop_at_newline=builder.chat.name == "none")
     prompts = [builder.build(s, max_prompt=s.length - s.max_new_tokens) for s in samples]
-    n_ctx = int(np.ceil((max(p.n_prompt + s.max_new_tokens for s, p in zip(samples, prompts)) + 1) / 256) * 256)
+    n_ctx = _ctx_for(max(p.n_prompt + s.max_new_tokens for s, p in zip(samples, prompts)))
     items: list[CalibrationItem] = []
     it = list(zip(samples, prompts))
     if progress:
@@ -185,7 +190,7 @@ class _Measure:
         self.model = model
         self.n_layer = model.n_layer
         T = max(len(i.context) + len(i.continuation) for i in items)
-        self.n_ctx = n_ctx or int(np.ceil((T + 1) / 256) * 256)
+        self.n_ctx = n_ctx or _ctx_for(T)
         self.n_batch = max(512, max(len(i.continuation) for i in items))
         self.n_threads = n_threads
         self.n_measured = 0

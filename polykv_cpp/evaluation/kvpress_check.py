@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from collections import defaultdict
@@ -432,11 +431,9 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _f(x: float | None) -> str:
-    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
-
-
 def to_markdown(data: dict[str, Any]) -> str:
+    from polykv_cpp.evaluation.report import _f
+
     s = data["summary"]
     L = [f"# kvpress cross-check of `{Path(data['model']).name}`", "",
          f"Our runtime (llama.cpp, results from `{data['eval_results']}`) against kvpress "
@@ -523,12 +520,8 @@ def run_kvpress_check(cfg: KVPressCheckConfig, log: Callable[[str], None] | None
     return data
 
 
-def _names(text: str) -> list[str]:
-    return [x for x in text.replace(" ", "").split(",") if x]
-
-
 def cmd_kvpress_check(args: argparse.Namespace) -> int:
-    from polykv_cpp.evaluation.cli import _ints
+    from polykv_cpp.evaluation.cli import _ints, _names
 
     cfg = KVPressCheckConfig(results=args.results, out_dir=args.out, hf_model=args.hf,
                              methods=_names(args.methods) if args.methods else None,

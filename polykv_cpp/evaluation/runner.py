@@ -264,6 +264,7 @@ class Evaluator:
         self.out = Path(cfg.out_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.records: dict[str, dict[str, Any]] = {}
+        self._resumed_runs: dict[tuple[Any, Any], dict[str, Any]] = {}  # runs of the results a resume loads
         self.notes: list[str] = []
         self.reuse = {"tokenization": "", "fullkv_protocols_shared": 0, "copied_from_fullkv": 0,
                       "prefix_tokens_shared": 0, "prefix_tokens_total": 0, "ppl_fullkv_reference_runs": 0,
@@ -449,7 +450,7 @@ class Evaluator:
                     r.status = (f"skipped: obs_window {w} > {PORTABLE_OBS_WINDOW} cannot share the prefill "
                                 "(run with --prefill chunked)")
         for r in runs:  # KV bytes and seconds of runs finished before a resume
-            old = getattr(self, "_resumed_runs", {}).get((r.method, r.budget))
+            old = self._resumed_runs.get((r.method, r.budget))
             if old:
                 r.info.update({k: v for k, v in old.items() if k not in ("method", "budget", "status")})
         # one probe: can this model run a PolyKV plan at all (gemma3 and other archs are refused)?
