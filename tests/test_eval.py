@@ -415,6 +415,57 @@ def test_resume_adds_a_plan_to_a_finished_sweep(tiny_run, tiny_gguf, tmp_path):
                              png=False, **TINY_BASE), log=lambda m: None).setup()
 
 
+def test_state_cache_replaces_the_prefill_and_changes_no_answer(tiny_run, tiny_gguf, tmp_path):
+    cfg, res, _ = tiny_run
+    cache = tmp_path / "states"
+    base = {**TINY_BASE, "budgets": [48], "ppl": False, "png": False}
+    first = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "a"), plans=cfg.plans,
+                                 state_cache=str(cache), **base), log=lambda m: None)
+    first.setup()
+    r1 = first.run()
+    first.model.close()
+    assert first.reuse["prompt_states_loaded"] == 0 and len(list(cache.glob("*.npz"))) == 3
+    # a later evaluation loads every prompt state: nothing is prefilled (FullKV answers from the loaded state)
+    second = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "b"), plans=cfg.plans,
+                                  state_cache=str(cache), **base), log=lambda m: None)
+    second.setup()
+    fed: list[tuple[str, int]] = []  # (method, tokens) of every multi-token decode
+    make_context = second._context
+
+    def recording_context(run, prefill="chunked"):
+        ctx = make_context(run, prefill)
+        decode = ctx.decode
+
+        def recorded(tokens, **kw):
+            if len(tokens) > 1:
+                fed.append((run.method, len(tokens)))
+            return decode(tokens, **kw)
+        ctx.decode = recorded
+        return ctx
+    second._context = recording_context
+    r2 = second.run()
+    second.model.close()
+    assert second.reuse["prompt_states_loaded"] == 3
+    questions = {len(p.part2) for p in second.prompts.values()}
+    assert fed and all(m != "fullkv" and n in questions for m, n in fed)  # the query-agnostic questions only
+    key = lambda r: (r["task"], r["protocol"], r["method"], r["budget"])  # noqa: E731
+    old = {key(r): r["prediction"] for r in res["records"] if r["kind"] == "ruler" and r["budget"] in (48, None)}
+    for recs in (r1["records"], r2["records"]):
+        new = {key(r): r["prediction"] for r in recs if r["kind"] == "ruler"}
+        assert new and all(old[k] == v for k, v in new.items())
+    # another context layout never loads these states; a damaged file is prefilled again
+    third = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "c"), plans=cfg.plans,
+                                 state_cache=str(cache), **{**base, "n_ubatch": 32}), log=lambda m: None)
+    third.setup()
+    assert all(third.state_cache.load(p.part1, p.part2) is None for p in third.prompts.values())
+    third.model.close()
+    one = next(cache.glob("*.npz"))
+    one.write_bytes(b"damaged")
+    assert sum(second.state_cache.load(p.part1, p.part2) is None for p in second.prompts.values()) == 1
+    with pytest.raises(EvalError, match="--state-cache needs --prefill exact"):
+        EvalConfig(model=str(tiny_gguf), state_cache=str(cache), prefill="chunked").validate()
+
+
 def test_unsupported_model_falls_back_to_fullkv(tiny_gguf, tmp_path, monkeypatch):
     reason = "PolyKV: architecture 'gemma3' is not supported yet"
     monkeypatch.setattr(Evaluator, "_probe_plan_support", lambda self, plan: reason)

@@ -96,6 +96,7 @@ def build_config(args: argparse.Namespace) -> Any:
     cfg.max_new_tokens = args.max_new_tokens
     cfg.reuse = not args.no_reuse
     cfg.resume = args.resume
+    cfg.state_cache = args.state_cache
     cfg.png = not args.no_png
     cfg.progress = not args.no_progress
     return cfg
@@ -197,6 +198,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true",
                    help="smoke run: lengths 1k, budgets 128,256, tasks niah_single,vt,qa, 1 sample, 64 ppl tokens")
     g.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    g.add_argument("--state-cache", metavar="DIR", default=None,
+                   help="keep each prompt's prefilled state in DIR (~130 MB per 4K prompt of a 0.5B model) and load "
+                        "it in later evaluations of the same samples instead of prefilling again (exact prefill)")
     g.add_argument("--no-reuse", action="store_true",
                    help="recompute everything (no FullKV copies, no shared prefill state)")
     g.add_argument("--report-only", metavar="DIR", default=None,

@@ -116,6 +116,7 @@ class EvalConfig:
     max_new_tokens: int | None = None  # override of the per-task answer budgets
     reuse: bool = True  # False: recompute everything (the check that reuse changes nothing)
     resume: bool = False
+    state_cache: str | None = None  # directory of prompt states kept across evaluations (exact prefill only)
     png: bool = True
     progress: bool = True
 
@@ -141,6 +142,8 @@ class EvalConfig:
             raise EvalError(f"unknown prefill mode {self.prefill!r} (known: {', '.join(PREFILL_MODES)})")
         if self.plan_from_gguf not in ("auto", "yes", "no"):
             raise EvalError("plan_from_gguf must be auto, yes or no")
+        if self.state_cache and self.prefill != "exact":
+            raise EvalError("--state-cache needs --prefill exact (chunked prefill has no shareable prompt state)")
         if self.chat_template != "auto" and self.chat_template not in T.CHAT_FORMATS:
             raise EvalError(f"unknown chat template {self.chat_template!r} "
                             f"(auto, {', '.join(T.CHAT_FORMATS)})")
@@ -229,6 +232,53 @@ def _file_id(p: Path) -> dict[str, Any]:
     return {"path": str(p.resolve()), "size": st.st_size, "sha256_first_mib": h.hexdigest()[:16]}
 
 
+class PromptStateCache:
+    """Portable prompt states on disk, so that later evaluations of the same samples skip their prefill.
+
+    A file holds the FullKV portable state after part 1 and after part 2 of one prompt (what the two protocols
+    load) with the last logits. Its name hashes the prompt's token ids and `identity` (model file, library build,
+    context size, batch sizes, cache types, flash attention, GPU layers), so a state is only loaded into a context
+    that would have computed it. Size: about the FullKV cache of the prompt plus the attention statistics
+    (some 130 MB for a 4K prompt of Qwen2.5-0.5B), twice.
+    """
+
+    def __init__(self, directory: Path, identity: dict[str, Any]):
+        self.dir = directory
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.identity = json.dumps(identity, sort_keys=True, default=_json_default)
+
+    def path(self, part1: Sequence[int], part2: Sequence[int]) -> Path:
+        h = hashlib.sha256(self.identity.encode())
+        h.update(np.asarray(part1, dtype=np.int64).tobytes() + b"|" + np.asarray(part2, dtype=np.int64).tobytes())
+        return self.dir / f"{h.hexdigest()[:32]}.npz"
+
+    def load(self, part1: Sequence[int], part2: Sequence[int]) -> tuple[Any, Any] | None:
+        from polykv_cpp.api import Snapshot
+
+        path = self.path(part1, part2)
+        if not path.exists():
+            return None
+        try:
+            with np.load(path) as z:
+                return tuple(Snapshot(z[f"{k}_state"].tobytes(), z[f"{k}_logits"] if z[f"{k}_has_logits"] else None,
+                                      [int(t) for t in z[f"{k}_pending"]])
+                             for k in ("s1", "s2"))  # type: ignore[return-value]
+        except (OSError, ValueError, KeyError):
+            return None  # a damaged or partial file: prefill again and overwrite it
+
+    def save(self, part1: Sequence[int], part2: Sequence[int], s1: Any, s2: Any) -> None:
+        path = self.path(part1, part2)
+        arrays: dict[str, np.ndarray] = {}
+        for k, snap in (("s1", s1), ("s2", s2)):
+            arrays[f"{k}_pending"] = np.asarray(snap.pending, dtype=np.int64)
+            arrays[f"{k}_state"] = np.frombuffer(snap.state, dtype=np.uint8)
+            arrays[f"{k}_has_logits"] = np.asarray(snap.logits is not None)
+            arrays[f"{k}_logits"] = np.zeros(0, np.float32) if snap.logits is None else snap.logits
+        tmp = path.with_name(path.stem + ".tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+
+
 class _Writer:
     """Atomic JSON writes of the partial results."""
 
@@ -268,7 +318,9 @@ class Evaluator:
         self.notes: list[str] = []
         self.reuse = {"tokenization": "", "fullkv_protocols_shared": 0, "copied_from_fullkv": 0,
                       "prefix_tokens_shared": 0, "prefix_tokens_total": 0, "ppl_fullkv_reference_runs": 0,
-                      "contexts_created": 0, "prompt_tokens_shared": 0, "prompt_tokens_reused": 0}
+                      "contexts_created": 0, "prompt_tokens_shared": 0, "prompt_tokens_reused": 0,
+                      "prompt_states_loaded": 0}
+        self.state_cache: PromptStateCache | None = None
         self.runs: list[Run] = []
         self.model = None
         self.samples: list[T.Sample] = []
@@ -316,6 +368,8 @@ class Evaluator:
         self.plan_methods = [x for x in self.methods if x in self.plans]
 
         self._build_samples()
+        if cfg.state_cache:
+            self.state_cache = PromptStateCache(Path(cfg.state_cache), self._state_identity())
         self._check_resume()
         self._make_runs()
 
@@ -397,6 +451,16 @@ class Evaluator:
                 "haystack": cfg.haystack, "max_new_tokens": cfg.max_new_tokens, "ppl_tokens": cfg.ppl_tokens,
                 "ppl_texts": sorted({s.name for s, _ in self.ppl_units}),
                 "plans": {n: _plan_hash(p) for n, p in self.plans.items()}}
+
+    def _state_identity(self) -> dict[str, Any]:
+        """What a portable prompt state depends on besides the tokens: model, library and context layout."""
+        from polykv_cpp import _native
+
+        cfg = self.cfg
+        lib = _native.lib_dir() / _native.LIB_NAMES.get(sys.platform, "libllama.so")
+        return {"model": _file_id(self.model_path), "library": {**_file_id(lib), "mtime": lib.stat().st_mtime},
+                "n_ctx": self.n_ctx, "n_batch": cfg.n_batch, "n_ubatch": cfg.n_ubatch, "type_k": cfg.type_k,
+                "type_v": cfg.type_v, "flash_attn": cfg.flash_attn, "n_gpu_layers": self.n_gpu_layers}
 
     def _check_resume(self) -> None:
         path = self.out / "results.json"
@@ -612,10 +676,19 @@ class Evaluator:
         t0 = time.time()
         src = self._context(full, prefill="portable")
         try:
-            src.decode(p1)
-            s1 = src.snapshot() if "query-agnostic" in cfg.protocols else None
-            src.decode(p2)
-            s2 = src.snapshot() if "query-aware" in cfg.protocols else None
+            cached = self.state_cache.load(p1, p2) if self.state_cache else None
+            if cached:
+                s1, s2 = cached
+                src.restore(s2)
+                self.reuse["prompt_states_loaded"] += 1
+            else:
+                keep_both = self.state_cache is not None
+                src.decode(p1)
+                s1 = src.snapshot() if keep_both or "query-agnostic" in cfg.protocols else None
+                src.decode(p2)
+                s2 = src.snapshot() if keep_both or "query-aware" in cfg.protocols else None
+                if self.state_cache:
+                    self.state_cache.save(p1, p2, s1, s2)  # type: ignore[arg-type]
             self.reuse["prompt_tokens_shared"] += len(p1) + len(p2)
             fk_todo = [p for p in cfg.protocols if not self._done(sample, p, full)]
             if fk_todo:
@@ -850,6 +923,8 @@ class Evaluator:
             self.reuse["tokenization"],
             *([f"exact prefill: {n_sh} prompt tokens prefilled once (FullKV, portable state) and loaded instead of "
                f"prefilled {n_re} times over by the other methods and budgets"] if exact else []),
+            *([f"prompt state cache {cfg.state_cache}: {self.reuse['prompt_states_loaded']} of the prompts loaded "
+               "from an earlier evaluation instead of prefilled"] if cfg.state_cache else []),
             f"FullKV: one generation per sample served both protocols ({self.reuse['fullkv_protocols_shared']} "
             "results shared) and is the reference of every budget",
             f"{self.reuse['copied_from_fullkv']} results copied from FullKV because the (method, budget) keeps "
