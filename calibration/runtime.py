@@ -78,13 +78,16 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
 
 
-def move_budget(budgets: Sequence[int], layer: int, delta: int, b_min: int) -> list[int] | None:
-    """Give ``layer`` ``delta`` more tokens (negative: fewer), the other layers paying or receiving in
-    proportion to what they hold above ``b_min``; the total stays exact. None if it cannot be done."""
+def move_budget(budgets: Sequence[int], layer: int, delta: int, b_min: int,
+                caps: Sequence[int | None] | None = None) -> list[int] | None:
+    """Give ``layer`` ``delta`` more tokens (negative: fewer), the other layers paying in proportion to what
+    they hold above ``b_min`` or receiving equal parts (only layers below their cap: ``caps[l]``, the window of
+    a sliding-window layer, None = none); the total stays exact. None if it cannot be done."""
     from polykv_cpp.plan import largest_remainder
 
     b = list(budgets)
-    if b[layer] + delta < b_min:
+    caps = list(caps) if caps is not None else [None] * len(b)
+    if b[layer] + delta < b_min or (caps[layer] and b[layer] + delta > caps[layer]):
         return None
     others = [j for j in range(len(b)) if j != layer]
     if delta > 0:
@@ -92,12 +95,14 @@ def move_budget(budgets: Sequence[int], layer: int, delta: int, b_min: int) -> l
         if sum(weights) < delta:
             return None
     else:
-        weights = [1] * len(others)
+        weights = [0 if caps[j] and b[j] >= caps[j] else 1 for j in others]
+        if not any(weights):
+            return None
     shares = largest_remainder(weights, abs(delta))
     for j, s in zip(others, shares):
         b[j] += -s if delta > 0 else s
     b[layer] += delta
-    if min(b) < b_min:
+    if min(b) < b_min or any(c and x > c for x, c in zip(b, caps)):
         return None
     return b
 
@@ -336,9 +341,12 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             return r[objective]
 
         steps: list[SearchStep] = []
-        uniform = {p: measure([p] * n_layer, [budget] * n_layer, f"uniform {p}") for p in patterns}
+        # a sliding-window layer cannot use more than its window: the start gives the rest to the other layers
+        windows = model.attention_windows()
+        start = plan_mod.allocate_budgets(n_layer * budget, [1] * n_layer, b_min, windows)
+        uniform = {p: measure([p] * n_layer, start, f"uniform {p}") for p in patterns}
         best = min(uniform, key=uniform.get)  # type: ignore[arg-type]
-        pats, buds, cur = [best] * n_layer, [budget] * n_layer, uniform[best]
+        pats, buds, cur = [best] * n_layer, start, uniform[best]
         steps.append(SearchStep(f"start: uniform {best}", cur, True))
         for il in range(n_layer):
             for p in patterns:
@@ -353,7 +361,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         if budget_moves:
             for il in range(n_layer):
                 for delta in (budget // 2, -(budget // 2)):
-                    cand_b = move_budget(buds, il, delta, b_min)
+                    cand_b = move_budget(buds, il, delta, b_min, windows)
                     if cand_b is None:
                         if bar is not None:
                             bar.update(1)

@@ -223,6 +223,7 @@ int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_
 const char * llama_polykv_pattern_str(int32_t pattern);
 const char * llama_polykv_last_error(void);
 int64_t llama_polykv_compress_prompt(struct llama_context * ctx);
+int32_t llama_polykv_model_layer_window(const struct llama_model * model, int32_t il);
 """
 
 LIB_NAMES = {"linux": "libllama.so", "darwin": "libllama.dylib", "win32": "llama.dll"}

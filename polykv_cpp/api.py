@@ -170,6 +170,12 @@ class Model:
         self._lib.llama_model_desc(self.ptr, buf, 256)
         return ffi.string(buf).decode("utf-8", "replace")
 
+    def attention_windows(self) -> list[int | None]:
+        """Per layer, the most tokens it attends to: the window of a sliding-window layer (Gemma 3: 15 of 18
+        layers, 512 tokens), None for a layer that sees the whole context. `Plan.scaled(N, caps=...)` takes it."""
+        windows = [self._lib.llama_polykv_model_layer_window(self.ptr, il) for il in range(self.n_layer)]
+        return [w if w > 0 else None for w in windows]
+
     def meta(self, key: str) -> str | None:
         """A metadata value as llama.cpp renders it (`llama_model_meta_val_str`); None if absent."""
         size = 256

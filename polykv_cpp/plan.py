@@ -136,19 +136,43 @@ def largest_remainder(weights: Sequence[float | int | Fraction], total: int) -> 
     return parts
 
 
-def allocate_budgets(total: int, weights: Sequence[float | int], b_min: int) -> list[int]:
+def allocate_budgets(total: int, weights: Sequence[float | int], b_min: int,
+                     caps: Sequence[int | None] | None = None) -> list[int]:
     """Budgets ``b[l] = b_min + (total - n*b_min) * w[l] / sum(w)``, rounded by largest remainder.
 
     The result sums to exactly ``total`` and every budget is >= ``b_min``. This is the allocation rule the
     calibration uses (weights = sensitivity signal) and the one :meth:`Plan.scaled` uses (weights = the part
     of each old budget above ``b_min``). Raises PlanError if ``total < n * b_min``.
+
+    ``caps[l]`` (None or 0: none) is the most layer ``l`` can hold, e.g. the window of a sliding-window
+    layer: a layer whose budget would pass its cap is fixed at ``max(cap, b_min)`` and what is left is split
+    again over the other layers, until no budget passes its cap (the native runtime's rescaling does the
+    same). The sum is then below ``total`` only if every layer is capped.
     """
     n = len(weights)
     extra = total - n * b_min
     if extra < 0:
         raise PlanError(f"a total of {total} tokens cannot give {n} layers b_min={b_min} each "
                         f"(needs at least {n * b_min})")
-    return [b_min + x for x in largest_remainder(weights, extra)]
+    caps = list(caps) if caps is not None else [None] * n
+    if len(caps) != n:
+        raise PlanError(f"{len(caps)} caps for {n} layers")
+    budgets = [b_min] * n
+    fixed = [False] * n
+    while True:
+        open_ = [i for i in range(n) if not fixed[i]]
+        if not open_:
+            return budgets
+        parts = largest_remainder([weights[i] for i in open_], extra)
+        over = [(i, c) for i, x in zip(open_, parts) if (c := caps[i]) and b_min + x > c]
+        if not over:
+            for i, x in zip(open_, parts):
+                budgets[i] = b_min + x
+            return budgets
+        for i, c in over:
+            fixed[i] = True
+            budgets[i] = max(b_min, c)
+            extra -= budgets[i] - b_min
 
 
 # -------------------------------------------------------------------------------------------- classes
@@ -681,7 +705,8 @@ class Plan:
 
     # ------------------------------------------------------------------ scaling
 
-    def scaled(self, kv_budget: int, *, full_charge: int | None = None) -> "Plan":
+    def scaled(self, kv_budget: int, *, full_charge: int | None = None,
+               caps: Sequence[int | None] | None = None) -> "Plan":
         """The plan rescaled to an average of ``kv_budget`` tokens per layer (runtime ``--kv-budget N``).
 
         In each phase that has budgeted layers, FullKV layers stay FullKV and are charged ``full_charge``
@@ -691,12 +716,20 @@ class Plan:
         rounded by largest remainder, so each phase's total is exact. Windows and observation windows that
         no longer fit are shrunk to ``budget - n_sink``. The result has integer budgets, ``budget_avg = N``
         and ``exact_total`` set; ``provenance.extra["scaled_from_budget_avg"]`` records the original average.
+
+        ``caps[l]`` (None/0: none; ``Model.attention_windows()``) is the most layer ``l`` can use: a sliding-window
+        layer holds at most its window, so the tokens the proportional rule would give it above that go to the
+        other layers (see :func:`allocate_budgets`). The native rescaling (``--kv-budget``) applies the model's
+        windows the same way.
         """
         if not _is_int(kv_budget) or kv_budget < 1:
             raise PlanError(f"--kv-budget must be a positive integer (got {kv_budget!r})")
         if kv_budget < self.b_min:
             raise PlanError(f"--kv-budget {kv_budget} is below the plan's b_min {self.b_min}")
         charge = self.full_charge if full_charge is None else full_charge
+        if caps is not None and len(caps) != self.n_layer:
+            raise PlanError(f"{len(caps)} caps for a plan of {self.n_layer} layers")
+        exact = True
         new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
         for ph in PHASES:
             pps = self.phase_plans(ph)
@@ -714,7 +747,10 @@ class Plan:
                 weights = [pps[i].share or 0.0 for i in budgeted]
             else:
                 weights = [max(0, (pps[i].budget or 0) - self.b_min) for i in budgeted]
-            for i, b in zip(budgeted, allocate_budgets(pool, weights, self.b_min)):
+            layer_caps = [caps[i] for i in budgeted] if caps is not None else None
+            budgets = allocate_budgets(pool, weights, self.b_min, layer_caps)
+            exact = exact and sum(budgets) == pool
+            for i, b in zip(budgeted, budgets):
                 pp = new_layers[i].phase(ph)
                 pp.budget, pp.share = b, None
                 if pp.n_sink > b:
@@ -727,7 +763,7 @@ class Plan:
         prov = replace(self.provenance, extra=dict(self.provenance.extra))
         prov.extra.setdefault("scaled_from_budget_avg", self.budget_avg)
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
-                    budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=True,
+                    budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
                     full_charge=charge)
 
 

@@ -90,3 +90,24 @@ def test_window_and_budgets_on_gemma3(gemma):
             full = sum(s.bytes_fullkv for s in stats.values())
             assert total < 0.3 * full
             assert np.isfinite(ctx.logits()).all()
+
+
+def test_rescaled_plan_gives_sliding_window_layers_at_most_their_window(gemma):
+    """--kv-budget above the window: the native rescaling and Plan.scaled(caps=...) move what sliding-window
+    layers cannot hold to the global layers, and the caches are allocated that way."""
+    with Model(gemma) as model:
+        windows = model.attention_windows()
+        swa = swa_layers(model)
+        assert windows == [512 if il in swa else None for il in range(model.n_layer)]
+        plan = plan_mod.uniform_plan(model.n_layer, "snapkv", 256)
+        model.set_plan(plan, kv_budget=1024)
+        with model.context(n_ctx=8192, n_ubatch=256) as ctx:
+            stats = ctx.kv_layer_stats()
+        native = [s.budget_prefill for s in stats]
+        expected = plan.scaled(1024, caps=windows).token_budgets("prefill")
+        assert native == expected and sum(native) == 1024 * model.n_layer
+        assert all(b == 512 for il, b in enumerate(native) if il in swa)
+        glob = [b for il, b in enumerate(native) if il not in swa]
+        assert glob == [(1024 * 18 - 512 * 15) // 3] * 3  # 3584 each
+        assert all(s.capacity >= 3584 for s in stats if s.layer not in swa)
+        assert all(s.capacity <= 512 + 256 for s in stats if s.layer in swa)

@@ -446,6 +446,28 @@ def test_scaled_exact_totals_and_b_min():
     assert sum(b for b in p.scaled(40, full_charge=40).token_budgets("prefill") if b) == 6 * 40 - 40
 
 
+def test_caps_give_what_a_layer_cannot_hold_to_the_others():
+    # 3 sliding-window layers (cap 512) and 1 global layer, equal weights, 4 x 1024 tokens
+    assert P.allocate_budgets(4096, [1, 1, 1, 1], 128, caps=[512, 512, None, 512]) == [512, 512, 2560, 512]
+    # caps that do not bind change nothing; a cap below b_min gives b_min
+    assert P.allocate_budgets(1000, [1, 3], 10, caps=[900, None]) == P.allocate_budgets(1000, [1, 3], 10)
+    assert P.allocate_budgets(100, [1, 1], 30, caps=[20, None]) == [30, 70]
+    # capping one layer can push another over its cap: repeated until none passes
+    assert P.allocate_budgets(900, [10, 1, 1], 0, caps=[100, 150, None]) == [100, 150, 650]
+    # every layer capped: the sum falls short of the total (nothing can hold the rest)
+    assert P.allocate_budgets(900, [1, 1], 0, caps=[100, 200]) == [100, 200]
+    with pytest.raises(PlanError, match="caps for"):
+        P.allocate_budgets(900, [1, 1], 0, caps=[100])
+    u = P.uniform_plan(4, "snapkv", 512)
+    q = u.scaled(1024, caps=[512, 512, None, 512]).validate()
+    assert q.token_budgets("prefill") == q.token_budgets("decode") == [512, 512, 2560, 512] and q.exact_total
+    assert u.scaled(1024, caps=[None] * 4) == u.scaled(1024)
+    short = u.scaled(1024, caps=[512] * 4).validate()
+    assert short.token_budgets("prefill") == [512] * 4 and not short.exact_total
+    with pytest.raises(PlanError, match="caps for a plan of 4 layers"):
+        u.scaled(1024, caps=[512])
+
+
 def test_resolved_budgets():
     p = mixed_plan()
     assert p.resolved_budgets("prefill", 1000) == [16, 40, 90, 50, 60, 1000]

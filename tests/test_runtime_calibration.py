@@ -23,6 +23,12 @@ def test_move_budget_keeps_the_total_and_b_min():
     assert down == [50, 117, 117, 116]
     assert move_budget(b, 0, -70, 40) is None           # below b_min
     assert move_budget([40, 40, 40], 0, 10, 40) is None  # nobody can pay
+    # sliding-window layers (cap 100) neither grow past the window nor receive what another layer gives up
+    caps = [100, None, 100, None]
+    assert move_budget(b, 1, -50, 40, caps) == [100, 50, 100, 150]
+    assert move_budget(b, 0, 20, 40, caps) is None
+    assert move_budget(b, 1, 60, 40, caps) == [80, 160, 80, 80]
+    assert move_budget([100, 100, 100], 0, -30, 40, [None, 100, 100]) is None  # nobody can receive
 
 
 def _sha(p):

@@ -164,7 +164,47 @@ static std::vector<int64_t> largest_remainder(const std::vector<long double> & w
     return parts;
 }
 
-bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, std::string & err) {
+// b_min + a largest-remainder share of pool for each layer; a layer whose budget would pass its cap (cap > 0) is
+// fixed at the cap and the pool left is split again over the others (as allocate_budgets in polykv_cpp/plan.py)
+static std::vector<int64_t> allocate_capped(const std::vector<long double> & w, int64_t pool, int32_t b_min,
+                                            const std::vector<int32_t> & caps) {
+    const size_t n = w.size();
+    std::vector<int64_t> budget(n, b_min);
+    std::vector<bool> fixed(n, false);
+    while (true) {
+        std::vector<size_t> open;
+        std::vector<long double> w_open;
+        for (size_t i = 0; i < n; ++i) {
+            if (!fixed[i]) {
+                open.push_back(i);
+                w_open.push_back(w[i]);
+            }
+        }
+        if (open.empty()) {
+            return budget;
+        }
+        const auto parts = largest_remainder(w_open, pool);
+        bool capped = false;
+        for (size_t k = 0; k < open.size(); ++k) {
+            const size_t i = open[k];
+            if (caps[i] > 0 && b_min + parts[k] > caps[i]) {
+                fixed[i]  = true;
+                budget[i] = std::max<int64_t>(b_min, caps[i]);
+                pool     -= budget[i] - b_min;
+                capped    = true;
+            }
+        }
+        if (!capped) {
+            for (size_t k = 0; k < open.size(); ++k) {
+                budget[open[k]] = b_min + parts[k];
+            }
+            return budget;
+        }
+    }
+}
+
+bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, const std::vector<int32_t> & caps,
+                               std::string & err) {
     for (int p = 0; p < 2; ++p) {
         std::vector<int32_t> budgeted;
         int32_t n_full = 0;
@@ -194,13 +234,15 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
             return false;
         }
         std::vector<long double> w;
+        std::vector<int32_t> layer_caps;
         for (int32_t il : budgeted) {
             const auto & pp = plan.layers[il][p];
             w.push_back(pp.share >= 0 ? (long double) pp.share : (long double) std::max(0, pp.budget - plan.b_min));
+            layer_caps.push_back(caps.empty() ? 0 : caps[il]);
         }
-        const auto parts = largest_remainder(w, pool);
+        const auto budgets = allocate_capped(w, pool, plan.b_min, layer_caps);
         for (size_t i = 0; i < budgeted.size(); ++i) {
-            plan.layers[budgeted[i]][p].budget = plan.b_min + (int32_t) parts[i];
+            plan.layers[budgeted[i]][p].budget = (int32_t) budgets[i];
             plan.layers[budgeted[i]][p].share  = -1.0;
         }
     }
@@ -1100,7 +1142,11 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         throw std::runtime_error("PolyKV: a context with a plan serves one sequence (n_seq_max = 1); got n_seq_max = " +
                                  std::to_string(cparams.n_seq_max));
     }
-    if (!llama_polykv_plan_resolve(plan, kv_budget, cparams.n_ctx_seq, err)) {
+    std::vector<int32_t> caps(hparams.n_layer(), 0);
+    for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
+        caps[il] = llama_polykv_model_layer_window(&model, (int32_t) il);
+    }
+    if (!llama_polykv_plan_resolve(plan, kv_budget, cparams.n_ctx_seq, caps, err)) {
         throw std::runtime_error("PolyKV: " + err);
     }
     int32_t prefill_mode = 0;
@@ -1235,6 +1281,13 @@ int32_t llama_polykv_set_model_plan(struct llama_model * model, const char * pla
     std::lock_guard<std::mutex> lock(g_mutex);
     g_overrides[model] = { plan_json, kv_budget };
     return 0;
+}
+
+int32_t llama_polykv_model_layer_window(const struct llama_model * model, int32_t il) {
+    if (!model || il < 0 || il >= (int32_t) model->hparams.n_layer()) {
+        return -1;
+    }
+    return model->hparams.is_swa(il) ? (int32_t) model->hparams.n_swa : 0;
 }
 
 int32_t llama_polykv_set_model_prefill_mode(struct llama_model * model, int32_t mode) {

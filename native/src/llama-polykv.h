@@ -72,8 +72,11 @@ struct llama_polykv_plan {
 bool llama_polykv_plan_parse(const std::string & json, llama_polykv_plan & plan, std::string & err);
 
 // turn shares into tokens and, if kv_budget > 0, rescale the budgets to that average keeping b_min
-// (largest remainder, as Plan.scaled in polykv_cpp/plan.py); FullKV layers are charged n_ctx
-bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, std::string & err);
+// (largest remainder, as Plan.scaled in polykv_cpp/plan.py); FullKV layers are charged n_ctx.
+// caps[il] > 0: layer il cannot hold more tokens (a sliding-window layer: its window); the tokens it cannot
+// hold go to the other layers. Empty caps: no caps.
+bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, const std::vector<int32_t> & caps,
+                               std::string & err);
 
 //
 // llama_kv_cache_poly

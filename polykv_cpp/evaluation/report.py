@@ -212,9 +212,13 @@ def to_markdown(data: Mapping[str, Any]) -> str:
     L.append(f"- lengths (prompt + answer budget, tokens of this model): {', '.join(map(str, lengths))}; "
              f"{cfg.get('n_samples')} sample(s) per task and length")
     L.append(f"- budgets: {data.get('budget_definition', '')}")
+    windows = data.get("sliding_window_layers") or {}
+    capped = (f"; a sliding-window layer gets at most its window ({len(windows)} layers, "
+              f"{', '.join(sorted({str(w) for w in windows.values()}))} tokens) and the rest goes to the other layers"
+              if windows else "")
     for name, p in data.get("plans", {}).items():
         L.append(f"- plan `{name}`: {p.get('summary')} (from {p.get('origin')}); rescaled to each budget with "
-                 f"`Plan.scaled` (b_min {p.get('b_min')} kept)")
+                 f"`Plan.scaled` (b_min {p.get('b_min')} kept{capped})")
     L.append("- protocols:")
     for p, text in data.get("protocols", {}).items():
         L.append(f"  - **{p}**: {text}")

@@ -383,6 +383,7 @@ class Evaluator:
         self.model = Model(self.model_path, n_gpu_layers=self.n_gpu_layers)
         m = self.model
         self.n_layer = m.n_layer
+        self.windows = m.attention_windows()
         self.arch = m.meta("general.architecture") or "?"
         chat = cfg.chat_template
         if chat == "auto":
@@ -501,7 +502,7 @@ class Evaluator:
                     elif meth in BASELINES:
                         run.plan = plan_mod.uniform_plan(self.n_layer, meth, b)
                     else:
-                        run.plan = self.plans[meth].scaled(b, full_charge=self.n_ctx)
+                        run.plan = self.plans[meth].scaled(b, full_charge=self.n_ctx, caps=self.windows)
                         run.plan.validate(n_layer=self.n_layer)
                 except PlanError as e:
                     run.status = f"skipped: {e}"
@@ -953,6 +954,7 @@ class Evaluator:
             "methods": self.methods,
             "plans": {n: {"origin": self.plan_origin.get(n), "summary": p.summary(), "b_min": p.b_min,
                           "budget_avg": p.budget_avg} for n, p in self.plans.items()},
+            "sliding_window_layers": {str(i): w for i, w in enumerate(self.windows) if w},
             "runs": [{"method": r.method, "budget": r.budget, "status": r.status, **r.info} for r in self.runs],
             "tasks": {t: T.TASK_DESCRIPTIONS[t] for t in cfg.tasks},
             "samples": [{"key": s.key, "n_prompt": self.prompts[s.key].n_prompt, "part1": len(self.prompts[s.key].part1),
