@@ -466,6 +466,25 @@ def test_state_cache_replaces_the_prefill_and_changes_no_answer(tiny_run, tiny_g
         EvalConfig(model=str(tiny_gguf), state_cache=str(cache), prefill="chunked").validate()
 
 
+def test_a_plan_runs_as_written_at_its_own_budget_and_rescaled_elsewhere(tiny_gguf, tmp_path):
+    from polykv_cpp.plan import Plan, uniform_plan
+
+    # prefill 40, decode 64: room for the answer before decode evicts (not an exact-total plan)
+    d = uniform_plan(2, "snapkv", 64, window=16, obs_window=16).to_dict()
+    d["exact_total"] = False
+    for layer in d["layers"]:
+        layer["prefill"]["budget"] = 40
+    path = tmp_path / "headroom.json"
+    path.write_text(Plan.from_dict(d).validate(n_layer=2).to_json())
+    ev = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "out"), plans=[f"room={path}"],
+                              methods=["fullkv"], **{**TINY_BASE, "budgets": [64, 128]}), log=lambda m: None)
+    ev.setup()
+    ev.model.close()
+    runs = {r.budget: r.plan for r in ev.runs if r.method == "room"}
+    assert runs[64].token_budgets("prefill") == [40, 40] and runs[64].token_budgets("decode") == [64, 64]
+    assert runs[128].token_budgets("prefill") == runs[128].token_budgets("decode") == [128, 128]
+
+
 def test_unsupported_model_falls_back_to_fullkv(tiny_gguf, tmp_path, monkeypatch):
     reason = "PolyKV: architecture 'gemma3' is not supported yet"
     monkeypatch.setattr(Evaluator, "_probe_plan_support", lambda self, plan: reason)

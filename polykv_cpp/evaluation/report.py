@@ -217,8 +217,9 @@ def to_markdown(data: Mapping[str, Any]) -> str:
               f"{', '.join(sorted({str(w) for w in windows.values()}))} tokens) and the rest goes to the other layers"
               if windows else "")
     for name, p in data.get("plans", {}).items():
-        L.append(f"- plan `{name}`: {p.get('summary')} (from {p.get('origin')}); rescaled to each budget with "
-                 f"`Plan.scaled` (b_min {p.get('b_min')} kept{capped})")
+        L.append(f"- plan `{name}`: {p.get('summary')} (from {p.get('origin')}); as written at budget "
+                 f"{p.get('budget_avg')}, rescaled to other budgets with `Plan.scaled` (b_min {p.get('b_min')} "
+                 f"kept{capped})")
     L.append("- protocols:")
     for p, text in data.get("protocols", {}).items():
         L.append(f"  - **{p}**: {text}")

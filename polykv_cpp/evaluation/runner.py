@@ -502,7 +502,7 @@ class Evaluator:
                     elif meth in BASELINES:
                         run.plan = plan_mod.uniform_plan(self.n_layer, meth, b)
                     else:
-                        run.plan = self.plans[meth].scaled(b, full_charge=self.n_ctx, caps=self.windows)
+                        run.plan = self._plan_at(self.plans[meth], b)
                         run.plan.validate(n_layer=self.n_layer)
                 except PlanError as e:
                     run.status = f"skipped: {e}"
@@ -531,6 +531,15 @@ class Evaluator:
                     if r.plan is not None and r.status == "pending":
                         r.status = f"unsupported: {reason}"
         self.runs = runs
+
+    def _plan_at(self, plan: Any, budget: int) -> Any:
+        """`plan` at an average of `budget` tokens per layer: as written at its own budget (unless a sliding-window
+        layer holds more than its window), else rescaled, sliding-window layers capped at their window."""
+        over = any(w and b is not None and b > w for ph in ("prefill", "decode")
+                   for b, w in zip(plan.token_budgets(ph), self.windows))
+        if budget == plan.budget_avg and not over:
+            return plan
+        return plan.scaled(budget, full_charge=self.n_ctx, caps=self.windows)
 
     def _probe_plan_support(self, plan: Any) -> str | None:
         from polykv_cpp.errors import NativeError
