@@ -238,8 +238,8 @@ class PromptStateCache:
     A file holds the FullKV portable state after part 1 and after part 2 of one prompt (what the two protocols
     load) with the last logits. Its name hashes the prompt's token ids and `identity` (model file, library build,
     context size, batch sizes, cache types, flash attention, GPU layers), so a state is only loaded into a context
-    that would have computed it. Size: about the FullKV cache of the prompt plus the attention statistics
-    (some 130 MB for a 4K prompt of Qwen2.5-0.5B), twice.
+    that would have computed it. Size: the FullKV cache of the prompt plus the attention statistics, twice (about
+    150 MB per 4K prompt of Qwen2.5-Coder-0.5B).
     """
 
     def __init__(self, directory: Path, identity: dict[str, Any]):
