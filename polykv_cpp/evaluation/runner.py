@@ -684,30 +684,32 @@ class Evaluator:
         bar.update(len(runs) - len(work))
         full = next((r for r in self.runs if r.method == FULLKV), Run(FULLKV, None, None))
         t0 = time.time()
-        src = self._context(full, prefill="portable")
-        try:
-            cached = self.state_cache.load(p1, p2) if self.state_cache else None
-            if cached:
-                s1, s2 = cached
-                src.restore(s2)
-                self.reuse["prompt_states_loaded"] += 1
-            else:
-                keep_both = self.state_cache is not None
-                src.decode(p1)
-                s1 = src.snapshot() if keep_both or "query-agnostic" in cfg.protocols else None
-                src.decode(p2)
-                s2 = src.snapshot() if keep_both or "query-aware" in cfg.protocols else None
-                if self.state_cache:
-                    self.state_cache.save(p1, p2, s1, s2)  # type: ignore[arg-type]
-            self.reuse["prompt_tokens_shared"] += len(p1) + len(p2)
-            fk_todo = [p for p in cfg.protocols if not self._done(sample, p, full)]
-            if fk_todo:
-                pred, n = self._generate(src, [], sample)
-                for i, p in enumerate(fk_todo):
-                    self._record(sample, p, full, pred, n, shared_with=fk_todo[0] if i else None)
-                self.reuse["fullkv_protocols_shared"] += len(fk_todo) - 1
-        finally:
-            src.close()
+        cached = self.state_cache.load(p1, p2) if self.state_cache else None
+        fk_todo = [p for p in cfg.protocols if not self._done(sample, p, full)]
+        if cached:
+            s1, s2 = cached
+            self.reuse["prompt_states_loaded"] += 1
+        self.reuse["prompt_tokens_shared"] += len(p1) + len(p2)
+        if not cached or fk_todo:  # a loaded state whose FullKV answers are done needs no FullKV context
+            src = self._context(full, prefill="portable")
+            try:
+                if cached:
+                    src.restore(s2)
+                else:
+                    keep_both = self.state_cache is not None
+                    src.decode(p1)
+                    s1 = src.snapshot() if keep_both or "query-agnostic" in cfg.protocols else None
+                    src.decode(p2)
+                    s2 = src.snapshot() if keep_both or "query-aware" in cfg.protocols else None
+                    if self.state_cache:
+                        self.state_cache.save(p1, p2, s1, s2)  # type: ignore[arg-type]
+                if fk_todo:
+                    pred, n = self._generate(src, [], sample)
+                    for i, p in enumerate(fk_todo):
+                        self._record(sample, p, full, pred, n, shared_with=fk_todo[0] if i else None)
+                    self.reuse["fullkv_protocols_shared"] += len(fk_todo) - 1
+            finally:
+                src.close()
         full.info["task_seconds"] = round(full.info.get("task_seconds", 0) + time.time() - t0, 2)
         for run, todo in work:
             bar.set_postfix_str(f"{run.key} {sample.task}@{sample.length}")
