@@ -152,6 +152,14 @@ int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t bu
 uint64_t llama_model_size(const struct llama_model * model);
 uint64_t llama_model_n_params(const struct llama_model * model);
 
+typedef struct llama_chat_message {
+    const char * role;
+    const char * content;
+} llama_chat_message;
+const char * llama_model_chat_template(const struct llama_model * model, const char * name);
+int32_t llama_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
+                                  bool add_ass, char * buf, int32_t length);
+
 int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
 bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
 llama_token llama_vocab_bos(const struct llama_vocab * vocab);

@@ -22,7 +22,7 @@ import numpy as np
 
 from polykv_cpp import _native
 from polykv_cpp._native import ffi
-from polykv_cpp.errors import ModelLoadError, NativeError, PlanError
+from polykv_cpp.errors import ModelLoadError, NativeError, PlanError, PolyKVError
 
 GGUF_MAGIC = b"GGUF"
 PREFILL_MODES = {"chunked": 0, "exact": 1, "portable": 2}
@@ -232,6 +232,29 @@ class Model:
             buf = ffi.new("char[]", cap)
             n = self._lib.llama_detokenize(self._vocab, arr, len(tokens), buf, cap, remove_special, unparse_special)
         return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
+        """`messages` ((role, content) pairs) in the model's own chat template (`tokenizer.chat_template`),
+        ending with the assistant's turn opened when `add_assistant`. llama.cpp formats it
+        (`llama_chat_apply_template`), which knows its built-in templates only, not arbitrary Jinja:
+        a model without a template, or with one llama.cpp does not recognise, raises PolyKVError."""
+        tmpl = self._lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        if tmpl == ffi.NULL:
+            raise PolyKVError(f"{self.path}: the model has no chat template (tokenizer.chat_template)")
+        keep = [(ffi.new("char[]", role.encode()), ffi.new("char[]", content.encode())) for role, content in messages]
+        chat = ffi.new("llama_chat_message[]", len(keep))
+        for i, (role, content) in enumerate(keep):
+            chat[i].role = role
+            chat[i].content = content
+        size = 2 * sum(len(content) for _, content in messages) + 256
+        while True:
+            buf = ffi.new("char[]", size)
+            n = self._lib.llama_chat_apply_template(tmpl, chat, len(keep), add_assistant, buf, size)
+            if n < 0:
+                raise PolyKVError(f"{self.path}: llama.cpp does not support this model's chat template")
+            if n <= size:
+                return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
+            size = n
 
     # ---- PolyKV plan ----------------------------------------------------------------------------------
     def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked") -> None:

@@ -64,6 +64,8 @@ def cmd_run(args) -> int:
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                            type_v=args.cache_type_v) as ctx:
+            if args.chat:
+                prompt = model.chat_prompt([("user", prompt)])
             tokens = model.tokenize(prompt)
             if not args.no_echo:
                 sys.stdout.write(prompt)
@@ -73,11 +75,12 @@ def cmd_run(args) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose)
+            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=args.prefill_mode)
     return 0
 
 
-def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool = False) -> None:
+def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool = False,
+                  prefill_mode: str = "chunked") -> None:
     mib = 1024 * 1024
     perf = ctx.perf()
     lines = [
@@ -98,7 +101,7 @@ def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool
         patterns = sorted({s.pattern_prefill for s in stats} | {s.pattern_decode for s in stats})
         lines.append(f"KV cache: PolyKV plan ({', '.join(patterns)}), {sum(s.capacity for s in stats)} cells in "
                      f"{len({s.group for s in stats})} groups = {used / mib:.1f} MiB vs FullKV {full / mib:.1f} MiB "
-                     f"at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%")
+                     f"at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; {prefill_mode} prefill")
         lines.append(f"tokens held per layer now: min {min(s.used for s in stats)}, max {max(s.used for s in stats)}; "
                      f"evicted so far: {sum(s.n_evicted for s in stats)}")
         if verbose_layers:
@@ -159,6 +162,8 @@ def add_run_parser(sub) -> None:
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF)
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as one user message in the model's chat template (instruct models)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
     p.add_argument("--plan-from-gguf", action="store_true", help="use the PolyKV plan stored in the model")
     p.add_argument("--plan", metavar="FILE", help="PolyKV plan (JSON sidecar or GGUF)")

@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Build and install polykv-cpp (our llama.cpp build + Python package), fetch the default model, generate.
+# Build and install polykv-cpp (our llama.cpp build + Python package), fetch the default model, and ask it a
+# question about a long document with the calibrated PolyKV plan: the answer streams, then the summary shows
+# the tokens evicted, the KV memory against FullKV and the speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
-echo "[polykv-cpp] building and installing (first build: a few minutes; ccache makes repeats fast)"
+echo "[polykv-cpp] building and installing (first build: several minutes; ccache makes repeats fast)"
 python -m pip install -q --disable-pip-version-check ".[plot]"
 model=$(polykv-cpp models fetch | tail -n 1)
 echo "[polykv-cpp] model: $model"
-# the calibrated plan of the default model (made by `polykv-cpp calibrate --budget 512`, see docs/results.md)
-polykv-cpp run "$model" --plan plans/qwen2.5-coder-0.5b-instruct-q4_k_m.b512.json -c 8192 -n 64 -p "def quicksort(arr):
-    \"\"\"Sort a list of numbers.\"\"\"
-"
+
+# a long real prompt: one of our own documents (about 3,500 tokens), ending in a question about its start
+doc=docs/plan-format.md
+question="Which two GGUF metadata keys hold a PolyKV plan inside a model file?"
+prompt=$(mktemp)
+trap 'rm -f "$prompt"' EXIT
+{
+    printf 'Read the document below, then answer the question after it.\n\n'
+    cat "$doc"
+    printf '\n\nQuestion: %s\n' "$question"
+} >"$prompt"
+echo "[polykv-cpp] prompt: $doc ($(wc -w <"$doc") words) + \"$question\""
+echo "[polykv-cpp] answer, with the calibrated plan at 512 tokens per layer (plans/, made by polykv-cpp calibrate):"
+polykv-cpp run "$model" --plan plans/qwen2.5-coder-0.5b-instruct-q4_k_m.b512.json --chat -f "$prompt" --no-echo \
+    -c 4096 -n 96 --prefill-mode exact

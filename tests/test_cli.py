@@ -45,6 +45,23 @@ def test_run_with_m_flag_and_prompt_file(cli_exe, tiny_gguf, tmp_path):
     assert a.stdout == b.stdout and a.stdout.strip()
 
 
+def test_run_chat_wraps_the_prompt_in_the_template(cli_exe, tmp_path):
+    from test_native import CHATML
+    from tiny_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "chat.gguf", extra_kv={"tokenizer.chat_template": CHATML})
+    proc = run_cli(cli_exe, "run", path, "-p", "the cat", "-n", "4", "-c", "256", "--chat")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("<|im_start|>user\nthe cat<|im_end|>\n<|im_start|>assistant\n")
+    assert "prompt: " in proc.stderr
+    plain = run_cli(cli_exe, "run", path, "-p", "the cat", "-n", "4", "-c", "256")
+    assert plain.stdout.startswith("the cat")
+    # token counts differ: the template's markers were fed too
+    n_chat = int(proc.stderr.split("prompt: ")[1].split(" ")[0])
+    n_plain = int(plain.stderr.split("prompt: ")[1].split(" ")[0])
+    assert n_chat > n_plain
+
+
 @pytest.mark.parametrize("args,needle", [
     (["run", "/nonexistent/model.gguf", "-p", "x"], "model file not found"),
     (["run", "-p", "x"], "no model"),
@@ -56,6 +73,7 @@ def test_run_with_m_flag_and_prompt_file(cli_exe, tiny_gguf, tmp_path):
     (["run", "{tiny}", "-p", "x", "--plan", "{badplan}"], "JSON"),
     (["run", "{tiny}", "-p", "x", "--plan", "{plan5}"], "layer"),
     (["run", "{tiny}", "-p", "x", "--kv-budget", "512"], "rescales a plan"),
+    (["run", "{tiny}", "-p", "x", "--chat"], "no chat template"),
     (["run", "{tiny}", "-p", "x", "--plan", "{plan2}", "--plan-from-gguf"], "not both"),
 ])
 def test_bad_input_gives_clear_error(cli_exe, tiny_gguf, tmp_path, args, needle):

@@ -8,7 +8,7 @@ import pytest
 
 from polykv_cpp import _native
 from polykv_cpp.api import Model, check_gguf_file
-from polykv_cpp.errors import ModelLoadError, NativeError
+from polykv_cpp.errors import ModelLoadError, NativeError, PolyKVError
 from tiny_models import TinyConfig, write_tiny_gguf
 
 
@@ -56,6 +56,25 @@ def test_long_metadata_string_is_returned_whole(tmp_path):
     path = write_tiny_gguf(tmp_path / "m.gguf", extra_kv={"test.long": value})
     with Model(path) as model:
         assert model.meta("test.long") == value
+
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_chat_prompt_follows_the_models_template(tmp_path, tiny_gguf):
+    path = write_tiny_gguf(tmp_path / "chat.gguf", extra_kv={"tokenizer.chat_template": CHATML})
+    with Model(path) as model:
+        # the ChatML layout, written out by hand
+        assert model.chat_prompt([("system", "Be brief."), ("user", "long text " * 400 + "?")]) == (
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n" + "long text " * 400 +
+            "?<|im_end|>\n<|im_start|>assistant\n")
+        assert model.chat_prompt([("user", "hi")], add_assistant=False) == "<|im_start|>user\nhi<|im_end|>\n"
+    with Model(tiny_gguf) as model, pytest.raises(PolyKVError, match="no chat template"):
+        model.chat_prompt([("user", "hi")])
+    odd = write_tiny_gguf(tmp_path / "odd.gguf", extra_kv={"tokenizer.chat_template": "{{ nothing we know }}"})
+    with Model(odd) as model, pytest.raises(PolyKVError, match="does not support"):
+        model.chat_prompt([("user", "hi")])
 
 
 def test_tokenize_roundtrip(tiny_gguf):
