@@ -225,6 +225,7 @@ const char * llama_polykv_version(void);
 const char * llama_polykv_llama_commit(void);
 int32_t llama_polykv_set_model_plan(struct llama_model * model, const char * plan_json, int32_t kv_budget);
 int32_t llama_polykv_set_model_prefill_mode(struct llama_model * model, int32_t mode);
+int32_t llama_polykv_set_model_prefill_slack(struct llama_model * model, float slack);
 bool    llama_polykv_is_active(const struct llama_context * ctx);
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max);
 int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max);

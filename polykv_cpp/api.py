@@ -257,7 +257,8 @@ class Model:
             size = n
 
     # ---- PolyKV plan ----------------------------------------------------------------------------------
-    def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked") -> None:
+    def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked",
+                 prefill_slack: float = 1.0) -> None:
         """Choose the PolyKV plan of contexts created afterwards.
 
         `plan`: a `polykv_cpp.plan.Plan`, a JSON string, or a path (JSON sidecar or GGUF); None with
@@ -270,12 +271,18 @@ class Model:
         one cache per layer keeping the score state of every pattern: `state_bytes()` saved after a prompt
         loads into a portable context of this model with any other plan, so that one prefill serves many
         plans; used by the evaluation; costs the score branch of every pattern in every layer).
+        `prefill_slack` s >= 1 (chunked only): while a prompt streams, each layer keeps up to s x its prefill
+        budget (caches of s x budget + one ubatch cells) and the prompt is compressed to the budget when
+        decoding starts, scored by its last tokens (the question): a bounded middle between chunked and exact.
         """
         from polykv_cpp import plan as plan_mod
 
         if prefill not in PREFILL_MODES:
             raise PlanError(f"prefill must be one of {', '.join(PREFILL_MODES)} (got {prefill!r})")
         self._lib.llama_polykv_set_model_prefill_mode(self.ptr, PREFILL_MODES[prefill])
+        if not prefill_slack >= 1.0:
+            raise PlanError(f"prefill slack must be a number >= 1 (got {prefill_slack})")
+        self._lib.llama_polykv_set_model_prefill_slack(self.ptr, float(prefill_slack))
 
         if kv_budget < 0:
             raise PlanError(f"--kv-budget must be positive (got {kv_budget})")
@@ -538,7 +545,8 @@ class Context:
         return bool(self._lib.llama_polykv_is_active(self.ptr))
 
     def compress_prompt(self) -> int:
-        """In exact/portable prefill: compress the prompt fed so far now (each layer to its prefill budget)
+        """In exact/portable prefill or with a prefill slack: compress the prompt fed so far now (each layer to
+        its prefill budget)
         instead of at the first decode step, e.g. before a question that must not steer the selection.
         Returns the number of cells freed."""
         n = self._lib.llama_polykv_compress_prompt(self.ptr)

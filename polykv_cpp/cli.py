@@ -54,13 +54,15 @@ def cmd_run(args) -> int:
     model_path = args.model or args.model_pos
     if not model_path:
         raise PolyKVError("no model: give MODEL or -m MODEL")
+    if args.prefill_slack != 1.0 and args.prefill_mode != "chunked":
+        raise PolyKVError("--prefill-slack applies to the chunked prefill (exact keeps the whole prompt anyway)")
     prompt = _read_prompt(args)
     _native.set_verbose(args.verbose)
     t0 = time.perf_counter()
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
         model.set_plan(args.plan, kv_budget=args.kv_budget or 0, use_gguf=args.plan_from_gguf,
-                       prefill=args.prefill_mode)
+                       prefill=args.prefill_mode, prefill_slack=args.prefill_slack)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                            type_v=args.cache_type_v) as ctx:
@@ -75,12 +77,18 @@ def cmd_run(args) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
-            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=args.prefill_mode)
+            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=prefill_label(args))
     return 0
 
 
+def prefill_label(args) -> str:
+    if args.prefill_mode == "chunked" and args.prefill_slack > 1:
+        return f"chunked prefill with slack {args.prefill_slack:g}"
+    return f"{args.prefill_mode} prefill"
+
+
 def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool = False,
-                  prefill_mode: str = "chunked") -> None:
+                  prefill_mode: str = "chunked prefill") -> None:
     mib = 1024 * 1024
     perf = ctx.perf()
     lines = [
@@ -101,9 +109,10 @@ def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool
         patterns = sorted({s.pattern_prefill for s in stats} | {s.pattern_decode for s in stats})
         lines.append(f"KV cache: PolyKV plan ({', '.join(patterns)}), {sum(s.capacity for s in stats)} cells in "
                      f"{len({s.group for s in stats})} groups = {used / mib:.1f} MiB vs FullKV {full / mib:.1f} MiB "
-                     f"at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; {prefill_mode} prefill")
+                     f"at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; {prefill_mode}")
+        evicted = sum(s.n_evicted for s in stats)
         lines.append(f"tokens held per layer now: min {min(s.used for s in stats)}, max {max(s.used for s in stats)}; "
-                     f"evicted so far: {sum(s.n_evicted for s in stats)}")
+                     f"evicted so far: {evicted} (token, layer) entries, {evicted / len(stats):.0f} per layer")
         if verbose_layers:
             for s in stats:
                 lines.append(f"  layer {s.layer:3d}: {s.pattern_prefill}/{s.pattern_decode} budget "
@@ -170,6 +179,9 @@ def add_run_parser(sub) -> None:
     p.add_argument("--kv-budget", type=int, default=None, help="average KV tokens per layer")
     p.add_argument("--prefill-mode", choices=["chunked", "exact"], default="chunked",
                    help="chunked: evict after every ubatch (bounded memory); exact: compress the whole prompt once")
+    p.add_argument("--prefill-slack", type=float, default=1.0, metavar="S",
+                   help="chunked: keep up to S x the prefill budget while the prompt streams, compress to the budget "
+                        "when the answer starts (the question then scores the prompt); memory S x budget + ubatch")
     p.set_defaults(func=cmd_run)
 
 

@@ -74,6 +74,8 @@ def test_run_chat_wraps_the_prompt_in_the_template(cli_exe, tmp_path):
     (["run", "{tiny}", "-p", "x", "--plan", "{plan5}"], "layer"),
     (["run", "{tiny}", "-p", "x", "--kv-budget", "512"], "rescales a plan"),
     (["run", "{tiny}", "-p", "x", "--chat"], "no chat template"),
+    (["run", "{tiny}", "-p", "x", "--prefill-mode", "exact", "--prefill-slack", "2"], "applies to the chunked"),
+    (["run", "{tiny}", "-p", "x", "--plan", "{plan2}", "--prefill-slack", "0.5"], "slack must be"),
     (["run", "{tiny}", "-p", "x", "--plan", "{plan2}", "--plan-from-gguf"], "not both"),
 ])
 def test_bad_input_gives_clear_error(cli_exe, tiny_gguf, tmp_path, args, needle):
@@ -119,6 +121,20 @@ def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
                     "-n", "4", "-c", "2048", "-ub", "128", "--no-echo", "-v")
     assert exact.returncode == 0, exact.stderr[-2000:]
     assert "saved 0.0%" in exact.stderr and "used 32" in exact.stderr  # whole-prompt caches, compressed once
+    # slack 4: 4 x 32 + 128 cells while the 100-token prompt streams, 32 kept once the answer starts
+    slack = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar, "--prefill-slack", "4", "-p", "the cat and the dog " * 20,
+                    "-n", "4", "-c", "2048", "-ub", "128", "--no-echo", "-v")
+    assert slack.returncode == 0, slack.stderr[-2000:]
+    assert f"saved {100 * (1 - 256 / 2048):.1f}%; chunked prefill with slack 4" in slack.stderr
+    assert "used 32" in slack.stderr
+    # the stock tools take the slack from the environment
+    from polykv_cpp._native import bin_dir
+    env = dict(os.environ, LLAMA_POLYKV_PLAN=str(sidecar), LLAMA_POLYKV_PREFILL_SLACK="4")
+    tool = subprocess.run([str(bin_dir() / "llama-completion"), "-m", str(tiny_gguf), "-p", "the cat", "-n", "2",
+                           "-no-cnv", "--no-warmup", "-c", "2048", "-ub", "128", "-v"], capture_output=True, text=True,
+                          errors="replace", timeout=120, env=env, stdin=subprocess.DEVNULL)
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    assert "prefill slack 4" in tool.stderr and "12.5% of FullKV" in tool.stderr
     # without the flag the plan in the file is not used
     plain = run_cli(cli_exe, "run", with_plan, "-p", "x", "-n", "2", "-c", "256")
     assert plain.returncode == 0 and "FullKV (no plan)" in plain.stderr

@@ -85,10 +85,10 @@ def one_layer_plan(il: int, pattern: str, n_layer: int = CFG.n_layer) -> plan_mo
 
 
 def run_native(path, plan, tokens, layer, *, flash_attn="on", type_k="f32", type_v="f32", n_ubatch=512,
-               prefill="chunked"):
+               prefill="chunked", prefill_slack=1.0):
     """Kept positions of `layer` after the prompt and after each teacher-forced decode step, and logits."""
     with Model(path) as model:
-        model.set_plan(plan, prefill=prefill)
+        model.set_plan(plan, prefill=prefill, prefill_slack=prefill_slack)
         with model.context(n_ctx=256, n_batch=n_ubatch, n_ubatch=n_ubatch, flash_attn=flash_attn, type_k=type_k,
                            type_v=type_v) as ctx:
             assert ctx.polykv_active == (plan is not None)
@@ -134,6 +134,47 @@ def test_exact_prefill_mode_equals_reference_for_a_prompt_of_several_ubatches(tw
                    decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys)
     for step in range(N):
         assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+@pytest.mark.parametrize("pattern", sorted(PHASE_PARAMS))
+def test_prefill_slack_that_holds_the_prompt_equals_exact_in_smaller_caches(twin, tokens, hf_reference, pattern,
+                                                                              flash_attn):
+    """Slack 2: the 40-token prompt (three ubatches of 16) streams into 2 x 20 kept tokens without eviction and
+    is compressed when decoding starts, scored by its last tokens: the reference's kept sets, in caches of
+    pad32(40 + 16) cells instead of n_ctx."""
+    _, path = twin
+    layer = 1
+    plan = one_layer_plan(layer, pattern)
+    kept, _ = run_native(path, plan, tokens, layer, n_ubatch=16, prefill_slack=2.0, flash_attn=flash_attn)
+    logp, keys = hf_reference[layer]
+    pp = plan.layers[layer]
+    ref = simulate(logp, P, prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
+                   decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys)
+    assert kept[0] == list(range(P)), "nothing is evicted while the prompt fits in the slack"
+    for step in range(N):
+        assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
+    with Model(path) as model:
+        model.set_plan(plan, prefill_slack=2.0)
+        with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
+            assert {s.layer: s.capacity for s in ctx.kv_layer_stats()}[layer] == 64
+
+
+def test_prefill_slack_bounds_the_streaming_prompt_and_compresses_before_the_answer(twin, tokens):
+    _, path = twin
+    plan = one_layer_plan(1, "snapkv")
+    kept, _ = run_native(path, plan, tokens, 1, n_ubatch=16, prefill_slack=1.5)
+    assert len(kept[0]) == 30                       # 1.5 x 20 while streaming
+    assert [len(k) for k in kept[1:]] == [B_DECODE] * N
+    with Model(path) as model:
+        model.set_plan(plan, prefill_slack=1.5)
+        with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
+            ctx.decode(tokens[:P])
+            assert len(ctx.kept_positions(1)) == 30
+            assert ctx.compress_prompt() == 10        # to the prefill budget, at once
+            assert len(ctx.kept_positions(1)) == B_PREFILL
+        with pytest.raises(PlanError, match="slack"):
+            model.set_plan(plan, prefill_slack=0.5)
 
 
 def test_chunked_prefill_bounds_the_cache_and_differs_from_exact(twin, tokens):

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -261,6 +262,7 @@ struct polykv_override {
 static std::mutex g_mutex;
 static std::map<const llama_model *, polykv_override> g_overrides;
 static std::map<const llama_model *, int32_t> g_prefill_mode;
+static std::map<const llama_model *, float> g_prefill_slack;
 
 // portable prefill keeps the last rows of this many queries (SnapKV/PyramidKV plans read at most this many)
 static const int32_t POLYKV_PORTABLE_OBS_WINDOW = 64;
@@ -349,13 +351,15 @@ llama_kv_cache_poly::llama_kv_cache_poly(
       const llama_hparams & hparams,
         llama_polykv_plan   plan_in,
                   int32_t   prefill_mode,
+                    float   prefill_slack,
                 ggml_type   type_k,
                 ggml_type   type_v,
                      bool   v_trans,
                      bool   offload,
                  uint32_t   n_ctx,
                  uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
-                                        prefill_exact(prefill_mode != 0), portable(prefill_mode == 2) {
+                                        prefill_exact(prefill_mode != 0), portable(prefill_mode == 2),
+                                        prefill_slack(prefill_mode == 0 ? std::max(1.0f, prefill_slack) : 1.0f) {
     const int32_t n_layer = (int32_t) hparams.n_layer();
     layer_group.assign(n_layer, -1);
 
@@ -398,6 +402,9 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             const auto & pp = grp.phase[p];
             const bool whole_prompt = prefill_exact && p == LLAMA_POLYKV_PHASE_PREFILL;
             uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0 || whole_prompt) ? n_ctx : (uint32_t) pp.budget;
+            if (p == LLAMA_POLYKV_PHASE_PREFILL && keep < n_ctx) {
+                keep = (uint32_t) streaming_phase(pp).budget;
+            }
             if (grp.is_swa) {
                 keep = std::min(keep, hparams.n_swa);
             }
@@ -590,8 +597,8 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
         throw std::runtime_error("PolyKV: the saved state does not come from a context with the same plan "
                                  "(or, in portable prefill mode, from another portable context of this model)");
     }
-    // a prompt saved before its compression is compressed at the next decode step (exact modes)
-    prompt_pending = prefill_exact && pending != 0;
+    // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
+    prompt_pending = compresses_at_decode() && pending != 0;
     for (auto & grp : groups) {
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));
@@ -819,6 +826,14 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
     grp.n_evicted += drop.size();
 }
 
+llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_phase_plan & pp) const {
+    llama_polykv_phase_plan res = pp;
+    if (prefill_slack > 1.0f && pp.pattern != LLAMA_POLYKV_FULLKV && pp.budget >= 0) {
+        res.budget = (int32_t) std::min<double>(n_ctx, std::ceil((double) pp.budget * prefill_slack));
+    }
+    return res;
+}
+
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
     if (prompt_pending && ubatch.n_tokens == 1) {
         compress_prompt();
@@ -946,11 +961,13 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
-        if (decode || !prefill_exact) {
+        if (decode) {
             evict(grp, grp.phase[phase]);
+        } else if (!prefill_exact) {
+            evict(grp, streaming_phase(grp.phase[phase]));
         }
     }
-    prompt_pending = prefill_exact && !decode;
+    prompt_pending = compresses_at_decode() && !decode;
 }
 
 std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il) const {
@@ -1150,6 +1167,7 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         throw std::runtime_error("PolyKV: " + err);
     }
     int32_t prefill_mode = 0;
+    float prefill_slack = 1.0f;
     {
         std::lock_guard<std::mutex> lock(g_mutex);
         auto it = g_prefill_mode.find(&model);
@@ -1159,8 +1177,17 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
             const std::string v = env;
             prefill_mode = v == "exact" ? 1 : v == "portable" ? 2 : 0;
         }
+        auto its = g_prefill_slack.find(&model);
+        if (its != g_prefill_slack.end()) {
+            prefill_slack = its->second;
+        } else if (const char * env = getenv("LLAMA_POLYKV_PREFILL_SLACK")) {
+            prefill_slack = (float) atof(env);
+            if (!(prefill_slack >= 1.0f)) {
+                throw std::runtime_error(std::string("PolyKV: LLAMA_POLYKV_PREFILL_SLACK must be a number >= 1, got ") + env);
+            }
+        }
     }
-    auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_mode, params.type_k, params.type_v, !cparams.flash_attn,
+    auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_mode, prefill_slack, params.type_k, params.type_v, !cparams.flash_attn,
                                          cparams.offload_kqv, cparams.n_ctx_seq, cparams.n_ubatch);
     uint64_t cells = 0;
     uint64_t bytes = 0;
@@ -1169,9 +1196,13 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         bytes += mem->group_bytes(g);
     }
     const uint64_t full_cells = (uint64_t) cparams.n_ctx_seq * hparams.n_layer();
-    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
+    char slack_note[64] = "";
+    if (prefill_mode == 0 && prefill_slack > 1.0f) {
+        snprintf(slack_note, sizeof(slack_note), ", prefill slack %g", prefill_slack);
+    }
+    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
             __func__, source.c_str(), kv_budget > 0 ? (", kv-budget " + std::to_string(kv_budget)).c_str() : "",
-            prefill_mode == 1 ? ", exact prefill" : prefill_mode == 2 ? ", exact portable prefill" : "",
+            prefill_mode == 1 ? ", exact prefill" : prefill_mode == 2 ? ", exact portable prefill" : "", slack_note,
             hparams.n_layer(), mem->n_groups(), cells, full_cells, bytes / 1024.0 / 1024.0, 100.0 * cells / std::max<uint64_t>(full_cells, 1));
     return mem;
 }
@@ -1300,10 +1331,21 @@ int32_t llama_polykv_set_model_prefill_mode(struct llama_model * model, int32_t 
     return 0;
 }
 
+int32_t llama_polykv_set_model_prefill_slack(struct llama_model * model, float slack) {
+    if (!model || !(slack >= 1.0f)) {
+        set_last_error("prefill slack must be a number >= 1 (1 = plain chunked prefill)");
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_prefill_slack[model] = slack;
+    return 0;
+}
+
 void llama_polykv_forget_model(const llama_model * model) {
     std::lock_guard<std::mutex> lock(g_mutex);
     g_overrides.erase(model);
     g_prefill_mode.erase(model);
+    g_prefill_slack.erase(model);
 }
 
 static llama_kv_cache_poly * get_poly(const struct llama_context * ctx) {

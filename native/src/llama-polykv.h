@@ -116,6 +116,7 @@ public:
           const llama_hparams & hparams,
             llama_polykv_plan   plan,
                       int32_t   prefill_mode,
+                        float   prefill_slack,
                     ggml_type   type_k,
                     ggml_type   type_v,
                          bool   v_trans,
@@ -171,7 +172,7 @@ public:
 
     // after a ubatch was computed: read the score outputs and evict every group down to its budget
     void after_ubatch(llama_context * lctx, const llama_ubatch & ubatch);
-    // exact prefill modes: compress the prompt fed so far now instead of at the first decode step;
+    // exact prefill modes and slack: compress the prompt fed so far now instead of at the first decode step;
     // returns the number of cells freed over all groups
     uint64_t compress_prompt();
 
@@ -193,7 +194,14 @@ private:
     // state saved after a prompt can be restored into a portable context with any other plan
     const bool prefill_exact;
     const bool portable;
+    // chunked prefill with slack: a streaming prompt keeps up to slack x the prefill budget per layer and is
+    // compressed to the budget when decoding starts (1 = plain chunked: every ubatch evicts to the budget)
+    const float prefill_slack;
     bool prompt_pending = false;
+
+    bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f; }
+    // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
+    llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
 
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
