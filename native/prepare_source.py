@@ -180,6 +180,8 @@ def overlay_files(native: Path) -> dict[str, Path]:
 
 def apply_patches(pristine: Path, patches: list[Path], overlay: dict[str, Path]) -> dict[str, bytes]:
     """Return the final content of every file the overlay or the patches touch."""
+    if patches and shutil.which("patch") is None:
+        raise PrepareError("the `patch` program is needed to apply native/patches (Debian/Ubuntu: apt-get install patch)")
     touched = sorted({t for p in patches for t in patch_targets(p)})
     with tempfile.TemporaryDirectory() as tmp:
         stage = Path(tmp)

@@ -77,6 +77,7 @@ def cmd_run(args) -> int:
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
+            sys.stdout.flush()  # the answer before the summary, also when both streams go to one file
             print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=prefill_label(args))
     return 0
 

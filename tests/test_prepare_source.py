@@ -109,3 +109,9 @@ def test_pip_download_uses_this_environments_backend_or_isolates(prepare, monkey
     cmd = prepare.pip_download_command("/tmp/x")
     assert cmd[:4] == [sys.executable, "-m", "pip", "download"] and cmd[-1] == "llama-cpp-python==0.3.36"
     assert ("--no-build-isolation" in cmd) == backend_here
+
+
+def test_missing_patch_program_is_named(prepare, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no `patch` there
+    with pytest.raises(prepare.PrepareError, match="`patch` program"):
+        prepare.apply_patches(tmp_path, sorted((ROOT / "native" / "patches").glob("*.patch")), {})
