@@ -282,6 +282,8 @@ class Model:
         self._lib.llama_polykv_set_model_prefill_mode(self.ptr, PREFILL_MODES[prefill])
         if not prefill_slack >= 1.0:
             raise PlanError(f"prefill slack must be a number >= 1 (got {prefill_slack})")
+        if prefill_slack != 1.0 and prefill != "chunked":
+            raise PlanError("--prefill-slack applies to the chunked prefill (exact keeps the whole prompt anyway)")
         self._lib.llama_polykv_set_model_prefill_slack(self.ptr, float(prefill_slack))
 
         if kv_budget < 0:

@@ -54,8 +54,6 @@ def cmd_run(args) -> int:
     model_path = args.model or args.model_pos
     if not model_path:
         raise PolyKVError("no model: give MODEL or -m MODEL")
-    if args.prefill_slack != 1.0 and args.prefill_mode != "chunked":
-        raise PolyKVError("--prefill-slack applies to the chunked prefill (exact keeps the whole prompt anyway)")
     prompt = _read_prompt(args)
     _native.set_verbose(args.verbose)
     t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build and install polykv-cpp (our llama.cpp build + Python package), fetch the default model, and ask it a
-# question about a long document with the calibrated PolyKV plan: the answer streams, then the summary shows
-# the tokens evicted, the KV memory against FullKV and the speed.
+# question about a long document, once with FullKV and once with the calibrated PolyKV plan: each answer
+# streams, then its summary shows the tokens evicted, the KV memory against FullKV and the speed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
@@ -10,7 +10,7 @@ python -m pip install -q --disable-pip-version-check ".[plot]"
 model=$(polykv-cpp models fetch | tail -n 1)
 echo "[polykv-cpp] model: $model"
 
-# a long real prompt: one of our own documents (about 3,500 tokens), ending in a question about its start
+# a long real prompt: one of our own documents (about 3,500 tokens), ending in a question about its first section
 doc=docs/plan-format.md
 question="Which two GGUF metadata keys hold a PolyKV plan inside a model file?"
 prompt=$(mktemp)
