@@ -247,7 +247,8 @@ def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget:
 
     layers = []
     for il, (name, b) in enumerate(zip(patterns, budgets)):
-        one = plan_mod.uniform_plan(1, name, int(b), b_min=min(b_min, int(b)))
+        base, selection = plan_mod.split_selection(name)  # "snapkv-head": the layer selects per KV head
+        one = plan_mod.uniform_plan(1, base, int(b), b_min=min(b_min, int(b)), selection=selection)
         layers.append(plan_mod.LayerPlan(il, one.layers[0].prefill, one.layers[0].decode))
     return plan_mod.Plan(version=plan_mod.PLAN_FORMAT_VERSION, n_layer=n_layer, budget_avg=budget, b_min=b_min,
                          budget_rule=rule, layers=layers, provenance=provenance or plan_mod.Provenance.now(),
@@ -276,9 +277,17 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         raise CalibrationError(f"model file not found: {gguf}")
     if out is not None and Path(out).resolve() == gguf.resolve():
         raise CalibrationError("--out must be a new file: the model file is never modified in place")
-    bad = [p for p in patterns if p not in plan_mod.KNOWN_PATTERNS or p == plan_mod.FULLKV]
+    def _budgeted(p: str) -> bool:
+        try:
+            base = plan_mod.split_selection(p)[0]
+        except plan_mod.PlanError:
+            return False
+        return base in plan_mod.KNOWN_PATTERNS and base != plan_mod.FULLKV
+
+    bad = [p for p in patterns if not _budgeted(p)]
     if bad or not patterns:
-        raise CalibrationError(f"runtime calibration patterns must be budgeted patterns (got {bad or 'none'})")
+        raise CalibrationError(f"runtime calibration patterns must be budgeted patterns or their per-head variants "
+                               f"(e.g. snapkv-head; got {bad or 'none'})")
     from_tasks = dataset == TASKS_DATASET
     objective = objective or ("top1" if from_tasks else "kl")
     if objective not in OBJECTIVES:
@@ -295,7 +304,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         n_cont = 0  # the continuation is each task's FullKV answer
     elif n_cont < 2 or n_cont >= ctx // 2:
         raise CalibrationError(f"--n-cont must be in [2, ctx/2) (got {n_cont})")
-    reserved = max(plan_mod.uniform_plan(1, p, budget).layers[0].prefill.reserved for p in patterns)
+    reserved = max(plan_mod.uniform_plan(1, plan_mod.split_selection(p)[0], budget).layers[0].prefill.reserved
+                   for p in patterns)
     b_min = b_min if b_min is not None else min(budget, max(budget // 4, reserved))
     if not reserved <= b_min <= budget:
         raise CalibrationError(f"b_min {b_min} must be within [{reserved}, {budget}] (sinks + windows of the "

@@ -229,6 +229,8 @@ int32_t llama_polykv_set_model_prefill_slack(struct llama_model * model, float s
 bool    llama_polykv_is_active(const struct llama_context * ctx);
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max);
 int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max);
+int32_t llama_polykv_get_kept_positions_head(const struct llama_context * ctx, int32_t il, int32_t head, llama_pos * out, int32_t n_max);
+int32_t llama_polykv_layer_per_head(const struct llama_context * ctx, int32_t il);
 const char * llama_polykv_pattern_str(int32_t pattern);
 const char * llama_polykv_last_error(void);
 int64_t llama_polykv_compress_prompt(struct llama_context * ctx);

@@ -571,14 +571,33 @@ class Context:
                            used=s.used, n_evicted=s.n_evicted, bytes=s.bytes, bytes_fullkv=s.bytes_fullkv)
                 for s in buf]
 
-    def kept_positions(self, layer: int) -> list[int]:
-        """Positions layer `layer` keeps now, sorted (raises without a plan)."""
-        n = self._lib.llama_polykv_get_kept_positions(self.ptr, layer, ffi.NULL, 0)
+    def kept_positions(self, layer: int, head: int | None = None) -> list[int]:
+        """Positions layer `layer` keeps now, sorted (raises without a plan).
+
+        ``head``: the positions one KV head keeps. A layer that selects per head keeps one set per KV head;
+        without ``head`` it returns their union. A layer that selects per layer gives its one set for any head.
+        """
+        if head is None:
+            n = self._lib.llama_polykv_get_kept_positions(self.ptr, layer, ffi.NULL, 0)
+        else:
+            n = self._lib.llama_polykv_get_kept_positions_head(self.ptr, layer, head, ffi.NULL, 0)
         if n < 0:
-            raise NativeError("no PolyKV plan is active in this context")
+            if not self.polykv_active:
+                raise NativeError("no PolyKV plan is active in this context")
+            raise NativeError(f"layer {layer} has no KV head {head}")
         buf = ffi.new("llama_pos[]", max(n, 1))
-        self._lib.llama_polykv_get_kept_positions(self.ptr, layer, buf, n)
+        if head is None:
+            self._lib.llama_polykv_get_kept_positions(self.ptr, layer, buf, n)
+        else:
+            self._lib.llama_polykv_get_kept_positions_head(self.ptr, layer, head, buf, n)
         return list(buf[0:n])
+
+    def layer_per_head(self, layer: int) -> bool:
+        """True if layer `layer` keeps one token set per KV head (a plan phase with ``selection: head``)."""
+        r = self._lib.llama_polykv_layer_per_head(self.ptr, layer)
+        if r < 0:
+            raise NativeError(f"no PolyKV plan is active in this context, or layer {layer} has no KV cache")
+        return r == 1
 
     def perf(self) -> dict[str, float]:
         data = self._lib.llama_perf_context(self.ptr)

@@ -19,6 +19,12 @@ Conventions shared by every pattern
   arithmetic **mean over query heads of the attention probabilities** (``attn.mean(axis=-3)``), *before*
   any sum over queries and before pooling. (A sum over heads, as in KVCache-Factory, ranks identically.)
   The key-norm score is the mean over KV heads of each head's L2 key norm.
+* **Per-head selection** (a plan phase with ``selection: head``, :func:`simulate_heads`): each KV head ``g``
+  keeps its own tokens, chosen by the same rule applied to the attention of ``g``'s query heads only (the
+  mean over them, ``n_head / n_head_kv`` query heads each, query head ``q`` reading KV head
+  ``q // (n_head / n_head_kv)``) and, for K-norm, to ``||k_g||``. Every head keeps ``budget`` tokens; a query
+  head attends only to its KV head's tokens. SnapKV, H2O, TOVA and PyramidKV were published per head; the
+  layer rule above is the coarser unit that lets all heads share one cache row per token.
 * **Protected tokens** (sinks, recent windows) get score ``+inf``; they are always kept (the pattern clips
   their number so that it never exceeds the budget).
 * **Ties** are broken by keeping the **more recent** token (the larger key index): selection is a stable
@@ -44,7 +50,7 @@ import numpy as np
 __all__ = [
     "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm",
     "PATTERNS", "PATTERN_NAMES", "get_pattern", "pattern_from_phase_plan", "keep_topk", "pool1d",
-    "reduce_heads", "simulate", "SimResult", "softmax_causal",
+    "reduce_heads", "simulate", "simulate_heads", "SimResult", "softmax_causal",
 ]
 
 
@@ -494,3 +500,26 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
         kept = cand
         res.decode_kept.append(kept.copy())
     return res
+
+
+def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill: Pattern | str | None,
+                   prefill_budget: int, decode: Pattern | str | None, decode_budget: int,
+                   keys: np.ndarray | None = None) -> list[SimResult]:
+    """Per-head selection: :func:`simulate` for every KV head on its own, one :class:`SimResult` per KV head.
+
+    ``logits`` are ``[n_head, T, T]`` over query heads and ``keys`` ``[n_head_kv, T, head_dim]``. KV head ``g``
+    is simulated with the logits of its query heads ``g*r .. (g+1)*r - 1`` (``r = n_head // n_head_kv``, the
+    GQA grouping of llama.cpp and transformers) and its own keys: its scores are the mean over those query
+    heads, its decode queries attend over its own kept tokens only. Heads never exchange budget here (each
+    keeps ``budget``); that is what distinguishes it from Ada-KV's adaptive split, which this reference does
+    not cover.
+    """
+    logits = np.asarray(logits, dtype=np.float64)
+    n_head = logits.shape[0]
+    if n_head_kv < 1 or n_head % n_head_kv:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+    r = n_head // n_head_kv
+    return [simulate(logits[g * r:(g + 1) * r], n_prompt, prefill=prefill, prefill_budget=prefill_budget,
+                     decode=decode, decode_budget=decode_budget,
+                     keys=None if keys is None else np.asarray(keys)[g:g + 1])
+            for g in range(n_head_kv)]

@@ -79,6 +79,11 @@ FULLKV = "fullkv"
 #: Patterns that score with an observation window (SnapKV scoring); they require ``obs_window``.
 OBS_WINDOW_PATTERNS: tuple[str, ...] = ("snapkv", "pyramidkv")
 PHASES: tuple[str, ...] = ("prefill", "decode")
+#: The unit that keeps its own token set: the layer (one set shared by its KV heads) or each KV head.
+SELECTIONS: tuple[str, ...] = ("layer", "head")
+#: Patterns whose selection can differ per head (scored by attention or keys; positional ones are the same
+#: in every head).
+PER_HEAD_PATTERNS: tuple[str, ...] = ("h2o", "snapkv", "tova", "pyramidkv", "knorm")
 
 #: Parameters the plan constructors fill in when the caller gives none. ``window`` None for StreamingLLM
 #: means "the rest of the budget after the sinks". Validation does not require these values.
@@ -191,6 +196,8 @@ class PhasePlan:
             StreamingLLM "the rest of the budget".
         obs_window: SnapKV/PyramidKV observation window (last queries used for scoring; kept).
         pool_kernel: SnapKV/PyramidKV 1-D pooling kernel size over positions (odd), None = no pooling.
+        selection: "layer" (one token set per layer, shared by its KV heads) or "head" (each KV head keeps its
+            own ``budget`` tokens by its own scores; :data:`PER_HEAD_PATTERNS` only). JSON omits "layer".
     """
 
     pattern: str
@@ -200,6 +207,7 @@ class PhasePlan:
     window: int | None = None
     obs_window: int | None = None
     pool_kernel: int | None = None
+    selection: str = "layer"
 
     @property
     def is_full(self) -> bool:
@@ -229,6 +237,8 @@ class PhasePlan:
                 v = getattr(self, k)
                 if v is not None:
                     d[k] = v
+            if self.selection != "layer":
+                d["selection"] = self.selection
         return d
 
     @classmethod
@@ -236,7 +246,7 @@ class PhasePlan:
         """Parse and type-check one phase entry; ``where`` names it in error messages."""
         if not isinstance(d, Mapping):
             raise PlanError(f"{where}: expected an object, got {type(d).__name__}")
-        unknown = set(d) - {"pattern", "budget", "share", *_PARAM_KEYS}
+        unknown = set(d) - {"pattern", "budget", "share", "selection", *_PARAM_KEYS}
         if unknown:
             raise PlanError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
         pattern = d.get("pattern")
@@ -260,8 +270,18 @@ class PhasePlan:
                 raise PlanError(f"{where}: {k} must be an integer (got {v!r})")
             params[k] = v
         n_sink = params.pop("n_sink")
+        selection = d.get("selection")
+        if selection is None:
+            selection = "layer"
+        elif selection not in SELECTIONS:
+            raise PlanError(f"{where}: selection must be one of {', '.join(SELECTIONS)} (got {selection!r})")
         return cls(pattern=pattern, budget=budget, share=share, n_sink=0 if n_sink is None else n_sink,
-                   **params)
+                   selection=selection, **params)
+
+    @property
+    def per_head(self) -> bool:
+        """True if each KV head keeps its own tokens (``selection: head`` on a pattern that scores per head)."""
+        return self.selection == "head" and self.pattern in PER_HEAD_PATTERNS
 
 
 @dataclass
@@ -645,6 +665,11 @@ class Plan:
         if self.full_charge is not None and (not _is_int(self.full_charge) or self.full_charge < 1):
             raise PlanError(f"full_charge must be a positive integer or null (got {self.full_charge!r})")
 
+        for lp in self.layers:
+            scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
+            if len({lp.phase(ph).per_head for ph in scored}) > 1:
+                raise PlanError(f"layer {lp.layer}: one phase selects per head and the other per layer; a layer "
+                                "selects one way in both phases")
         for ph in PHASES:
             pps = self.phase_plans(ph)
             for i, pp in enumerate(pps):
@@ -800,13 +825,29 @@ def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:
         raise PlanError(f"{where}: {pp.pattern} needs obs_window (the observation window)")
     if pp.pool_kernel is not None and (not _is_int(pp.pool_kernel) or pp.pool_kernel < 1 or pp.pool_kernel % 2 == 0):
         raise PlanError(f"{where}: pool_kernel must be an odd integer >= 1 (got {pp.pool_kernel!r})")
+    if pp.selection not in SELECTIONS:
+        raise PlanError(f"{where}: selection must be one of {', '.join(SELECTIONS)} (got {pp.selection!r})")
 
 
 # ------------------------------------------------------------------------------------- constructors
 
 
-def _phase(pattern: str, budget: int | None, params: Mapping[str, Any]) -> PhasePlan:
+def split_selection(name: str) -> tuple[str, str]:
+    """A pattern name with an optional unit suffix: ``"snapkv-head"`` -> ``("snapkv", "head")``, ``"snapkv"`` ->
+    ``("snapkv", "layer")`` (the names the evaluation and the runtime search use for per-head variants)."""
+    base, sep, unit = name.lower().partition("-")
+    if not sep:
+        return base, "layer"
+    if unit not in SELECTIONS or base not in PER_HEAD_PATTERNS:
+        raise PlanError(f"unknown pattern {name!r}: a pattern ({', '.join(KNOWN_PATTERNS)}) or a per-head variant "
+                        f"({', '.join(p + '-head' for p in PER_HEAD_PATTERNS)})")
+    return base, unit
+
+
+def _phase(pattern: str, budget: int | None, params: Mapping[str, Any], selection: str = "layer") -> PhasePlan:
     pattern = pattern.lower()
+    if selection not in SELECTIONS:
+        raise PlanError(f"selection must be one of {', '.join(SELECTIONS)} (got {selection!r})")
     if pattern not in KNOWN_PATTERNS:
         raise PlanError(f"unknown pattern {pattern!r} (known: {', '.join(KNOWN_PATTERNS)})")
     unknown = set(params) - set(_PARAM_KEYS)
@@ -816,11 +857,13 @@ def _phase(pattern: str, budget: int | None, params: Mapping[str, Any]) -> Phase
         return PhasePlan(FULLKV)
     p = {**DEFAULT_PARAMS.get(pattern, {}), **params}
     return PhasePlan(pattern, budget=budget, n_sink=p.get("n_sink") or 0, window=p.get("window"),
-                     obs_window=p.get("obs_window"), pool_kernel=p.get("pool_kernel"))
+                     obs_window=p.get("obs_window"), pool_kernel=p.get("pool_kernel"),
+                     selection=selection if pattern in PER_HEAD_PATTERNS else "layer")
 
 
 def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str | None = None,
-                 b_min: int | None = None, provenance: Provenance | None = None, **params: Any) -> Plan:
+                 b_min: int | None = None, provenance: Provenance | None = None, selection: str = "layer",
+                 **params: Any) -> Plan:
     """Every layer and both phases use ``pattern`` with ``budget`` tokens (the single-pattern baselines).
 
     ``params`` (n_sink, window, obs_window, pool_kernel) override :data:`DEFAULT_PARAMS` of the pattern.
@@ -828,18 +871,19 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     prefill-only compression as in KVCache-Factory. For ``pattern="fullkv"`` pass the context length as
     ``budget``: it becomes ``budget_avg`` and ``full_charge``. ``b_min`` defaults to the tokens the patterns
     always keep (``n_sink + window``), so that :meth:`Plan.scaled` keeps a uniform plan uniform.
+    ``selection="head"``: each KV head keeps its own ``budget`` tokens (score-based patterns).
     """
     if not _is_int(n_layer) or n_layer < 1:
         raise PlanError(f"n_layer must be a positive integer (got {n_layer!r})")
     if not _is_int(budget) or budget < 1:
         raise PlanError(f"budget must be a positive integer (got {budget!r})")
-    pre = _phase(pattern, budget, params)
+    pre = _phase(pattern, budget, params, selection)
     if not pre.is_full and pre.reserved > budget:
         raise PlanError(f"{pre.pattern}: n_sink + window = {pre.reserved} exceeds the budget {budget}")
     dec_name = (decode_pattern or pattern).lower()
     dec_params = params if dec_name == pattern.lower() else {}
     has_full = pre.is_full or dec_name == FULLKV
-    layers = [LayerPlan(i, replace(pre), _phase(dec_name, budget, dec_params)) for i in range(n_layer)]
+    layers = [LayerPlan(i, replace(pre), _phase(dec_name, budget, dec_params, selection)) for i in range(n_layer)]
     if b_min is None:
         b_min = max(pp.reserved for pp in (layers[0].prefill, layers[0].decode) if not pp.is_full) \
             if not (layers[0].prefill.is_full and layers[0].decode.is_full) else 0
@@ -852,7 +896,7 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
 
 def pyramid_plan(n_layer: int, budget: int, *, pattern: str = "pyramidkv", beta: int = 20,
                  window: int | None = None, decode_pattern: str | None = None,
-                 provenance: Provenance | None = None, **params: Any) -> Plan:
+                 provenance: Provenance | None = None, selection: str = "layer", **params: Any) -> Plan:
     """PyramidKV budgets: linear over depth, largest at layer 0, as in KVCache-Factory.
 
     With ``w`` the always-kept tokens (``n_sink + window``; window = the observation window for
@@ -872,7 +916,7 @@ def pyramid_plan(n_layer: int, budget: int, *, pattern: str = "pyramidkv", beta:
         params = {**params, "window": window}
         if pattern.lower() in OBS_WINDOW_PATTERNS:
             params.setdefault("obs_window", window)
-    proto = _phase(pattern, budget, params)
+    proto = _phase(pattern, budget, params, selection)
     if proto.is_full:
         raise PlanError("pyramid_plan needs a budgeted pattern, not fullkv")
     w = proto.reserved
@@ -891,7 +935,7 @@ def pyramid_plan(n_layer: int, budget: int, *, pattern: str = "pyramidkv", beta:
     layers = []
     for i, b in enumerate(budgets):
         pre = replace(proto, budget=b)
-        dec = _phase(dec_name, b, dec_params)
+        dec = _phase(dec_name, b, dec_params, selection)
         layers.append(LayerPlan(i, pre, dec))
     if dec_name != pattern.lower() and dec_name != FULLKV:
         # decode uses another pattern with the same budgets; its reserved tokens must fit too

@@ -276,7 +276,44 @@ def test_summary_and_markdown_from_records():
     assert g["best"] == "snapkv" and g["value"] == pytest.approx((65 - 50) / (90 - 50))
     data["summary"] = summ
     md = report.to_markdown(data)
-    assert "protocol: query-aware" in md and "gap recovered by polykv" in md and "38% (vs snapkv)" in md
+    assert "protocol: query-aware" in md and "gap recovered by polykv" in md
+    assert re.search(r"38% \[-?\d+%, -?\d+%\] \(vs snapkv\)", md)
+    # one sample per task: every replicate draws that sample, so the intervals are points
+    assert cell["snapkv"]["64"]["ci95"] == [pytest.approx(50.0), pytest.approx(50.0)]
+    assert "50.0 [50.0-50.0]" in md
+
+
+def test_bootstrap_intervals_are_paired_stratified_and_cover_the_average():
+    rng = np.random.default_rng(1)
+    a = {t: {i: float(x) for i, x in enumerate(rng.random(30) < p)} for t, p in (("t1", 0.7), ("t2", 0.3))}
+    same = {t: dict(v) for t, v in a.items()}
+    ones = {t: {i: 1.0 for i in v} for t, v in a.items()}
+    reps = report.bootstrap_task_average({"a": a, "same": same, "ones": ones}, n_boot=500)
+    avg = 100 * np.mean([np.mean(list(v.values())) for v in a.values()])
+    lo, hi = report.interval(reps["a"])
+    assert lo < avg < hi and 10 < hi - lo < 40          # 60 binary samples: an interval of about +-12 points
+    assert np.all(reps["a"] == reps["same"])            # paired: the same draws for every method
+    assert report.interval(reps["ones"]) == [100.0, 100.0]
+    # more samples, narrower interval
+    big = {t: {i: float(x) for i, x in enumerate(rng.random(600) < 0.5)} for t in ("t1", "t2")}
+    lo2, hi2 = report.interval(report.bootstrap_task_average({"big": big}, n_boot=500)["big"])
+    assert hi2 - lo2 < (hi - lo) / 2
+
+
+def test_gap_interval_from_paired_replicates():
+    recs = []
+    rng = np.random.default_rng(2)
+    for i in range(20):
+        for task in ("a", "b"):
+            rec = lambda m, b, s: {**_rec(task, m, b, s), "index": i}  # noqa: E731
+            recs += [rec("fullkv", None, 1.0), rec("snapkv", 64, float(rng.random() < 0.4)),
+                     rec("polykv", 64, float(rng.random() < 0.7))]
+    data = {"records": recs, "methods": ["fullkv", "snapkv", "polykv"], "plans": {"polykv": {}},
+            "config": {"lengths": [100]}}
+    g = report.summarize(data)["gap_recovered"]["ruler"]["query-aware"]["100"]["polykv"]["64"]
+    lo, hi = g["ci95"]
+    assert lo < g["value"] < hi
+    assert g["diff_ci95"][0] < g["plan"] - g["best_value"] < g["diff_ci95"][1]
 
 
 # ------------------------------------------------------------------------------------------- end to end

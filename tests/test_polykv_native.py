@@ -377,16 +377,19 @@ def mixed_plan() -> plan_mod.Plan:
 
 PORTABLE_PLANS = {
     **{p: lambda p=p: plan_mod.uniform_plan(CFG.n_layer, p, B_PREFILL, **PHASE_PARAMS[p]) for p in PHASE_PARAMS},
+    **{f"{p}-head": lambda p=p: plan_mod.uniform_plan(CFG.n_layer, p, B_PREFILL, selection="head", **PHASE_PARAMS[p])
+       for p in ("h2o", "snapkv", "tova", "knorm")},
     "mixed": mixed_plan,
 }
 
 
 def follow(ctx, rest):
-    """Teacher-force `rest`; kept positions of both layers and logits after each token."""
+    """Teacher-force `rest`; kept positions of every KV head of both layers and logits after each token."""
     out = []
     for t in rest:
         ctx.decode([t])
-        out.append(([ctx.kept_positions(il) for il in range(CFG.n_layer)], ctx.logits()))
+        out.append(([[ctx.kept_positions(il, h) for h in range(CFG.n_head_kv)] for il in range(CFG.n_layer)],
+                    ctx.logits()))
     return out
 
 
@@ -430,7 +433,7 @@ def test_portable_state_of_one_prefill_serves_every_plan(twin, tokens, name):
         for step, ((k, lg), (k_ref, lg_ref)) in enumerate(zip(got, ref)):
             assert k == k_ref, f"step {step}"
             np.testing.assert_allclose(lg, lg_ref, atol=1e-5, rtol=0)
-    assert [len(k) for k in aware[-1][0]] == [plan.layers[il].decode.budget for il in range(CFG.n_layer)]
+    assert [len(k[0]) for k in aware[-1][0]] == [plan.layers[il].decode.budget for il in range(CFG.n_layer)]
 
 
 def test_portable_state_is_refused_by_a_non_portable_context(twin, tokens):

@@ -48,6 +48,10 @@ bool llama_polykv_phase_plan::needs_scores() const {
            pattern == LLAMA_POLYKV_TOVA || pattern == LLAMA_POLYKV_PYRAMIDKV;
 }
 
+bool llama_polykv_phase_plan::per_head() const {
+    return selection == LLAMA_POLYKV_SELECT_HEAD && (needs_scores() || pattern == LLAMA_POLYKV_KNORM);
+}
+
 static int32_t get_int(const json & obj, const char * key, int32_t def, const std::string & where) {
     if (!obj.contains(key) || obj.at(key).is_null()) {
         return def;
@@ -128,6 +132,24 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
                 if (pp.pool_kernel < 1 || pp.pool_kernel % 2 == 0) {
                     throw std::runtime_error(where + ": pool_kernel must be a positive odd number");
                 }
+                if (pj.contains("selection") && !pj.at("selection").is_null()) {
+                    const auto & sj = pj.at("selection");
+                    const std::string sel = sj.is_string() ? sj.get<std::string>() : std::string();
+                    if (sel == "layer") {
+                        pp.selection = LLAMA_POLYKV_SELECT_LAYER;
+                    } else if (sel == "head") {
+                        pp.selection = LLAMA_POLYKV_SELECT_HEAD;
+                    } else {
+                        throw std::runtime_error(where + ": selection must be \"layer\" or \"head\"");
+                    }
+                }
+            }
+            const auto & lp = plan.layers[il];
+            if (lp[0].per_head() && lp[1].per_head() == false && lp[1].pattern != LLAMA_POLYKV_FULLKV && lp[1].pattern != LLAMA_POLYKV_STREAMINGLLM) {
+                throw std::runtime_error("layer " + std::to_string(il) + ": prefill selects per head but decode per layer; a layer selects one way in both phases");
+            }
+            if (lp[1].per_head() && lp[0].per_head() == false && lp[0].pattern != LLAMA_POLYKV_FULLKV && lp[0].pattern != LLAMA_POLYKV_STREAMINGLLM) {
+                throw std::runtime_error("layer " + std::to_string(il) + ": decode selects per head but prefill per layer; a layer selects one way in both phases");
             }
         }
     } catch (const std::exception & e) {
@@ -358,7 +380,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
                      bool   offload,
                  uint32_t   n_ctx,
                  uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
-                                        prefill_exact(prefill_mode != 0), portable(prefill_mode == 2),
+                                        v_trans(v_trans), prefill_exact(prefill_mode != 0), portable(prefill_mode == 2),
                                         prefill_slack(prefill_mode == 0 ? std::max(1.0f, prefill_slack) : 1.0f) {
     const int32_t n_layer = (int32_t) hparams.n_layer();
     layer_group.assign(n_layer, -1);
@@ -384,11 +406,14 @@ llama_kv_cache_poly::llama_kv_cache_poly(
                 }
             }
         }
+        const bool per_head = lp[0].per_head() || lp[1].per_head();
         if (g_found < 0) {
             groups.emplace_back();
             groups.back().phase  = lp;
             groups.back().is_swa = is_swa;
             groups.back().collect_all = portable;
+            groups.back().per_head = per_head;
+            groups.back().n_head_kv = hparams.n_head_kv(il);
             g_found = (int32_t) groups.size() - 1;
         }
         groups[g_found].layers.push_back(il);
@@ -418,6 +443,13 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             }
         }
         grp.capacity = std::min(n_ctx, pad_to(cap, pad));
+        if (grp.per_head) {
+            const int32_t il = grp.layers.front();
+            if (hparams.n_embd_head_k(il) % ggml_blck_size(type_k) != 0 || hparams.n_embd_head_v(il) % ggml_blck_size(type_v) != 0) {
+                throw std::runtime_error("PolyKV: layer " + std::to_string(il) + " selects per KV head, which needs a head size that is a "
+                                         "multiple of the KV cache type's block size; use f16 or f32 K/V");
+            }
+        }
 
         std::vector<bool> member(n_layer, false);
         for (int32_t il : grp.layers) {
@@ -429,9 +461,13 @@ llama_kv_cache_poly::llama_kv_cache_poly(
                 /*n_seq_max*/ 1, /*n_pad*/ 1, grp.is_swa ? hparams.n_swa : 0,
                 grp.is_swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE, nullptr,
                 [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
-        grp.acc.assign(grp.capacity, 0.0f);
-        grp.last.assign(grp.capacity, 0.0f);
-        grp.knorm.assign(grp.capacity, 0.0f);
+        const size_t n_state = (size_t) grp.n_slots() * grp.capacity;
+        grp.acc.assign(n_state, 0.0f);
+        grp.last.assign(n_state, 0.0f);
+        grp.knorm.assign(n_state, 0.0f);
+        if (grp.per_head) {
+            grp.hpos.assign((size_t) grp.n_head_kv * grp.capacity, -1);
+        }
     }
 }
 
@@ -477,6 +513,7 @@ void llama_kv_cache_poly::clear(bool data) {
         std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
         std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+        std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
         grp.ring.clear();
     }
 }
@@ -484,6 +521,17 @@ void llama_kv_cache_poly::clear(bool data) {
 bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
     bool res = true;
     for (auto & grp : groups) {
+        if (grp.per_head && seq_id <= 0) {
+            // the stock cells carry one label per cell; what each head holds is in hpos
+            const llama_pos hi = p1 < 0 ? std::numeric_limits<llama_pos>::max() : p1;
+            for (auto & p : grp.hpos) {
+                if (p >= 0 && p >= std::max<llama_pos>(p0, 0) && p < hi) {
+                    p = -1;
+                }
+            }
+            repack(grp);
+            continue;
+        }
         res = grp.kv->seq_rm(seq_id, p0, p1) && res;
     }
     return res;
@@ -548,7 +596,7 @@ size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     return total;
 }
 
-static const uint32_t POLYKV_STATE_MAGIC = 0x504b5632; // "PKV2"
+static const uint32_t POLYKV_STATE_MAGIC = 0x504b5633; // "PKV3"
 
 // after each group's cells: the score state of every kept token, keyed by position (a restore may place
 // tokens in other cells), so that a restored cache goes on evicting as the saved one would have
@@ -581,6 +629,36 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
             io.write(&grp.knorm[i], sizeof(float));
             for (const auto & row : grp.ring) {
                 io.write(&row[i], sizeof(float));
+            }
+        }
+        // per-head groups: what every head holds in each used cell, in cell order (a whole-cache restore puts the
+        // k-th used cell at the k-th used cell again)
+        // per-head positions only where a head holds other tokens than its cell's label (before any per-head
+        // eviction, e.g. a portable prompt state, every head holds every cell and any plan may load it)
+        bool heads_differ = false;
+        for (uint32_t h = 0; grp.per_head && h < grp.n_head_kv; ++h) {
+            for (uint32_t i : idxs) {
+                heads_differ |= grp.hpos[(size_t) h*grp.capacity + i] != cells.pos_get(i);
+            }
+        }
+        const uint8_t head_scores = grp.head_scores() ? 1 : 0;
+        const uint8_t per_head    = heads_differ ? 1 : 0;
+        io.write(&head_scores, sizeof(head_scores));
+        io.write(&per_head, sizeof(per_head));
+        if (grp.head_scores()) {
+            for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+                const size_t off = grp.head_off(h);
+                for (uint32_t i : idxs) {
+                    if (per_head) {
+                        io.write(&grp.hpos[(size_t) h*grp.capacity + i], sizeof(llama_pos));
+                    }
+                    io.write(&grp.acc[off + i],   sizeof(float));
+                    io.write(&grp.last[off + i],  sizeof(float));
+                    io.write(&grp.knorm[off + i], sizeof(float));
+                    for (const auto & row : grp.ring) {
+                        io.write(&row[off + i], sizeof(float));
+                    }
+                }
             }
         }
     }
@@ -621,7 +699,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
         std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
         std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
-        grp.ring.assign(n_ring, std::vector<float>(grp.capacity, 0.0f));
+        grp.ring.assign(n_ring, std::vector<float>((size_t) grp.n_slots() * grp.capacity, 0.0f));
         for (uint32_t k = 0; k < n_cells; ++k) {
             llama_pos pos = 0;
             float acc = 0.0f, last = 0.0f, knorm = 0.0f;
@@ -645,18 +723,76 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
                 grp.ring[r][c] = ring_vals[r];
             }
         }
+        uint8_t head_scores = 0;
+        uint8_t per_head = 0;
+        io.read(&head_scores, sizeof(head_scores));
+        io.read(&per_head, sizeof(per_head));
+        // a cache evicted per head cannot continue under a per-layer plan; a per-head plan needs per-head scores,
+        // which a portable state carries whatever its plan was (every head then holds the cells' tokens)
+        if ((per_head && !grp.per_head) || (grp.per_head && !head_scores)) {
+            throw std::runtime_error("PolyKV: the saved state selects per head where this plan selects per layer (or the reverse); "
+                                     "a portable state serves both");
+        }
+        std::vector<uint32_t> used;
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (!cells.is_empty(i)) {
+                used.push_back(i);
+            }
+        }
+        if (head_scores && used.size() != n_cells) {
+            throw std::runtime_error("PolyKV: the saved per-head state does not match its cells");
+        }
+        if (grp.per_head) {
+            std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
+            for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+                for (uint32_t c : used) {
+                    grp.hpos[(size_t) h*grp.capacity + c] = cells.pos_get(c);
+                }
+            }
+        }
+        if (head_scores) {
+            std::vector<float> skip(3 + n_ring);
+            for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+                for (uint32_t c : used) {
+                    if (per_head) {
+                        io.read(&grp.hpos[(size_t) h*grp.capacity + c], sizeof(llama_pos));
+                    }
+                    if (!grp.head_scores()) {
+                        io.read(skip.data(), skip.size() * sizeof(float));
+                        continue;
+                    }
+                    const size_t off = grp.head_off(h);
+                    io.read(&grp.acc[off + c],   sizeof(float));
+                    io.read(&grp.last[off + c],  sizeof(float));
+                    io.read(&grp.knorm[off + c], sizeof(float));
+                    for (auto & row : grp.ring) {
+                        io.read(&row[off + c], sizeof(float));
+                    }
+                }
+            }
+        }
     }
 }
 
-void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & cells) {
+void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch) {
     auto & grp = groups[g];
     grp.new_cells = cells;
-    for (uint32_t c : cells) {
-        grp.acc[c]   = 0.0f;
-        grp.last[c]  = 0.0f;
-        grp.knorm[c] = 0.0f;
-        for (auto & row : grp.ring) {
-            row[c] = 0.0f;
+    for (uint32_t k = 0; k < grp.n_slots(); ++k) {
+        const size_t off = (size_t) k * grp.capacity;
+        for (uint32_t c : cells) {
+            grp.acc[off + c]   = 0.0f;
+            grp.last[off + c]  = 0.0f;
+            grp.knorm[off + c] = 0.0f;
+            for (auto & row : grp.ring) {
+                row[off + c] = 0.0f;
+            }
+        }
+    }
+    if (grp.per_head) {
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            for (size_t i = 0; i < cells.size(); ++i) {
+                grp.hpos[(size_t) h*grp.capacity + cells[i]] = ubatch.pos[i];
+            }
         }
     }
 }
@@ -671,34 +807,71 @@ static int32_t ring_size(const llama_kv_cache_poly::group & grp) {
     return w;
 }
 
-void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
-    if (grp.t_rows) {
-        const int64_t n_kv = grp.t_rows->ne[1];
-        const int64_t n_rows = grp.t_rows->ne[2];
-        std::vector<float> rows(n_kv * n_rows);
-        ggml_backend_tensor_get(grp.t_rows, rows.data(), 0, rows.size() * sizeof(float));
+// add the attention rows of one graph output to the score state: t is [nh, n_kv, n_rows] (rows[(r*n_kv + j)*nh + h]:
+// attention of query row r to cell j, averaged over the query heads of the layer (nh = 1) or of KV head h), and
+// head h's state lives at off(h)
+template <typename F>
+static void add_rows(llama_kv_cache_poly::group & grp, ggml_tensor * t, int32_t w, F off) {
+    const int64_t nh = t->ne[0];
+    const int64_t n_kv = t->ne[1];
+    const int64_t n_rows = t->ne[2];
+    std::vector<float> rows(nh * n_kv * n_rows);
+    ggml_backend_tensor_get(t, rows.data(), 0, rows.size() * sizeof(float));
+    auto at = [&](int64_t r, int64_t j, int64_t h) { return rows[(r*n_kv + j)*nh + h]; };
 
-        if (grp.needs(LLAMA_POLYKV_H2O)) {
+    if (grp.needs(LLAMA_POLYKV_H2O)) {
+        for (int64_t h = 0; h < nh; ++h) {
+            float * acc = grp.acc.data() + off(h);
             for (int64_t r = 0; r < n_rows; ++r) {
                 for (int64_t j = 0; j < n_kv; ++j) {
-                    grp.acc[j] += rows[r*n_kv + j];
+                    acc[j] += at(r, j, h);
                 }
             }
         }
-        if (grp.needs(LLAMA_POLYKV_TOVA)) {
-            std::fill(grp.last.begin(), grp.last.end(), 0.0f);
-            std::copy(rows.begin() + (n_rows - 1)*n_kv, rows.begin() + n_rows*n_kv, grp.last.begin());
+    }
+    if (grp.needs(LLAMA_POLYKV_TOVA)) {
+        for (int64_t h = 0; h < nh; ++h) {
+            float * last = grp.last.data() + off(h);
+            std::fill(last, last + grp.capacity, 0.0f);
+            for (int64_t j = 0; j < n_kv; ++j) {
+                last[j] = at(n_rows - 1, j, h);
+            }
         }
+    }
+    if (w > 0) {
+        // the ring's rows are shared by the slots: the newest rows go to the end, the layer's and the heads' alike
+        const int64_t r0 = std::max<int64_t>(0, n_rows - w);
+        const size_t n_ring = grp.ring.size();
+        for (int64_t r = r0; r < n_rows; ++r) {
+            float * row = grp.ring[n_ring - (n_rows - r)].data();
+            for (int64_t h = 0; h < nh; ++h) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    row[off(h) + j] = at(r, j, h);
+                }
+            }
+        }
+    }
+}
+
+void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
+    const size_t cap = grp.capacity;
+    if (grp.t_rows || grp.t_rows_heads) {
         const int32_t w = ring_size(grp);
         if (w > 0) {
+            // push one zeroed row per new query row (as many as the graph kept), drop the oldest beyond w
+            const int64_t n_rows = (grp.t_rows ? grp.t_rows : grp.t_rows_heads)->ne[2];
             for (int64_t r = std::max<int64_t>(0, n_rows - w); r < n_rows; ++r) {
-                std::vector<float> row(grp.capacity, 0.0f);
-                std::copy(rows.begin() + r*n_kv, rows.begin() + (r + 1)*n_kv, row.begin());
-                grp.ring.push_back(std::move(row));
+                grp.ring.emplace_back((size_t) grp.n_slots() * cap, 0.0f);
             }
             while ((int32_t) grp.ring.size() > w) {
                 grp.ring.erase(grp.ring.begin());
             }
+        }
+        if (grp.t_rows) {
+            add_rows(grp, grp.t_rows, w, [](int64_t) { return (size_t) 0; });
+        }
+        if (grp.t_rows_heads) {
+            add_rows(grp, grp.t_rows_heads, w, [&](int64_t h) { return grp.head_off((uint32_t) h); });
         }
     }
     if (grp.t_knorm) {
@@ -707,14 +880,23 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
         std::vector<float> norms(n_head_kv * n_tokens);
         ggml_backend_tensor_get(grp.t_knorm, norms.data(), 0, norms.size() * sizeof(float));
         for (uint32_t t = 0; t < n_tokens; ++t) {
-            double s = 0.0;
-            for (int64_t h = 0; h < n_head_kv; ++h) {
-                s += std::sqrt((double) norms[t*n_head_kv + h]);
+            const uint32_t c = grp.new_cells[t];
+            if (grp.head_scores()) {
+                for (int64_t h = 0; h < n_head_kv; ++h) {
+                    grp.knorm[grp.head_off((uint32_t) h) + c] = (float) std::sqrt((double) norms[t*n_head_kv + h]);
+                }
             }
-            grp.knorm[grp.new_cells[t]] = (float) (s / n_head_kv);
+            if (grp.layer_scores()) {
+                double s = 0.0;
+                for (int64_t h = 0; h < n_head_kv; ++h) {
+                    s += std::sqrt((double) norms[t*n_head_kv + h]);
+                }
+                grp.knorm[c] = (float) (s / n_head_kv);
+            }
         }
     }
     grp.t_rows  = nullptr;
+    grp.t_rows_heads = nullptr;
     grp.t_knorm = nullptr;
 }
 
@@ -731,9 +913,116 @@ static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, in
     }
 }
 
+// the cells to drop from one token set: items are (pos, cell) sorted by position, off the state offset of the set
+// (h*capacity for head h of a per-head group, 0 for a layer); keeps the pattern's budget, as the reference
+static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
+                                         const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
+    const int32_t n = items.size();
+    const int32_t b = pp.budget;
+    std::vector<uint32_t> drop;
+    if (n <= b) {
+        return drop;
+    }
+    std::vector<double> sc(n, 0.0);
+    switch (pp.pattern) {
+        case LLAMA_POLYKV_STREAMINGLLM:
+            {
+                const int32_t s = std::min(pp.n_sink, b - 1);
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = i < s ? INFINITY : (double) i;
+                }
+            } break;
+        case LLAMA_POLYKV_H2O:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.acc[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_TOVA:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.last[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_SNAPKV:
+        case LLAMA_POLYKV_PYRAMIDKV:
+            {
+                std::vector<double> raw(n, 0.0);
+                const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
+                for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
+                    for (int32_t i = 0; i < n; ++i) {
+                        raw[i] += grp.ring[r][off + items[i].second];
+                    }
+                }
+                const int32_t h = pp.pool_kernel / 2;
+                for (int32_t i = 0; i < n; ++i) {
+                    double m = -INFINITY;
+                    for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
+                        m = std::max(m, raw[k]);
+                    }
+                    sc[i] = m;
+                }
+                protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
+            } break;
+        case LLAMA_POLYKV_KNORM:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = -grp.knorm[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_FULLKV:
+            return drop;
+    }
+
+    // keep the b highest scores; among ties the more recent token (stable ascending sort, keep the tail)
+    std::vector<int32_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
+    for (int32_t k = 0; k < n - b; ++k) {
+        drop.push_back(items[order[k]].second);
+    }
+    return drop;
+}
+
 void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
     if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
         return; // a FullKV sliding-window group behaves exactly as the stock SWA cache (it recycles masked cells)
+    }
+    if (grp.per_head) {
+        const size_t cap = grp.capacity;
+        // sliding window: what the next query cannot see any more leaves every head first (as below)
+        llama_pos p_out = -1;
+        if (grp.is_swa) {
+            llama_pos pos_max = -1;
+            for (llama_pos p : grp.hpos) {
+                pos_max = std::max(pos_max, p);
+            }
+            p_out = pos_max + 2 - (llama_pos) hparams.n_swa;
+        }
+        uint64_t n_drop = 0;
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            std::vector<std::pair<llama_pos, uint32_t>> items;
+            for (uint32_t c = 0; c < cap; ++c) {
+                llama_pos & p = grp.hpos[h*cap + c];
+                if (p >= 0 && p < p_out) {
+                    p = -1;
+                }
+                if (p >= 0) {
+                    items.emplace_back(p, c);
+                }
+            }
+            std::sort(items.begin(), items.end());
+            for (uint32_t c : select_drop(grp, pp, items, grp.head_off(h))) {
+                grp.hpos[h*cap + c] = -1;
+                ++n_drop;
+            }
+        }
+        grp.n_evicted += n_drop / grp.n_head_kv;
+        repack(grp);
+        return;
     }
     if (grp.is_swa) {
         // the budget counts visible tokens: those that left the window are masked for every later query (the
@@ -751,79 +1040,144 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
             items.emplace_back(cells.pos_get(i), i);
         }
     }
-    const int32_t n = items.size();
-    const int32_t b = pp.budget;
-    if (n <= b) {
-        return;
-    }
     std::sort(items.begin(), items.end());
-
-    std::vector<double> sc(n, 0.0);
-    switch (pp.pattern) {
-        case LLAMA_POLYKV_STREAMINGLLM:
-            {
-                const int32_t s = std::min(pp.n_sink, b - 1);
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = i < s ? INFINITY : (double) i;
-                }
-            } break;
-        case LLAMA_POLYKV_H2O:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = grp.acc[items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
-        case LLAMA_POLYKV_TOVA:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = grp.last[items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
-        case LLAMA_POLYKV_SNAPKV:
-        case LLAMA_POLYKV_PYRAMIDKV:
-            {
-                std::vector<double> raw(n, 0.0);
-                const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
-                for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
-                    for (int32_t i = 0; i < n; ++i) {
-                        raw[i] += grp.ring[r][items[i].second];
-                    }
-                }
-                const int32_t h = pp.pool_kernel / 2;
-                for (int32_t i = 0; i < n; ++i) {
-                    double m = -INFINITY;
-                    for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
-                        m = std::max(m, raw[k]);
-                    }
-                    sc[i] = m;
-                }
-                protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
-            } break;
-        case LLAMA_POLYKV_KNORM:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = -grp.knorm[items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
-        case LLAMA_POLYKV_FULLKV:
-            return;
-    }
-
-    // keep the b highest scores; among ties the more recent token (stable ascending sort, keep the tail)
-    std::vector<int32_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
     std::vector<llama_pos> drop;
-    for (int32_t k = 0; k < n - b; ++k) {
-        drop.push_back(items[order[k]].first);
+    for (uint32_t c : select_drop(grp, pp, items, 0)) {
+        drop.push_back(cells.pos_get(c));
     }
     for (llama_pos p : drop) {
         grp.kv->seq_rm(0, p, p + 1);
     }
     grp.n_evicted += drop.size();
+}
+
+// the V storage tensor of a layer (the cache exposes it only through views)
+static ggml_tensor * v_storage(const llama_kv_cache & kv, int32_t il) {
+    ggml_init_params ip = { 4*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+    ggml_context * ctx = ggml_init(ip);
+    llama_kv_cache::slot_info sinfo;
+    sinfo.s0 = 0;
+    sinfo.s1 = 0;
+    sinfo.strm = { 0 };
+    sinfo.idxs = { {} };
+    ggml_tensor * view = kv.get_v(ctx, il, 1, sinfo);
+    ggml_tensor * v = view->view_src ? view->view_src : view;
+    ggml_free(ctx);
+    return v;
+}
+
+void llama_kv_cache_poly::repack(group & grp) {
+    const uint32_t cap = grp.capacity;
+    const uint32_t nh  = grp.n_head_kv;
+
+    uint32_t n_rows = 0; // cells the largest head needs
+    std::vector<uint32_t> count(nh, 0);
+    for (uint32_t h = 0; h < nh; ++h) {
+        for (uint32_t c = 0; c < cap; ++c) {
+            count[h] += grp.hpos[h*cap + c] >= 0;
+        }
+        n_rows = std::max(n_rows, count[h]);
+    }
+
+    // each head fills its holes below n_rows with its tokens from above n_rows
+    struct move { uint32_t h, src, dst; };
+    std::vector<move> moves;
+    uint32_t hi = 0;
+    for (uint32_t h = 0; h < nh; ++h) {
+        uint32_t dst = 0;
+        for (uint32_t src = n_rows; src < cap; ++src) {
+            if (grp.hpos[h*cap + src] < 0) {
+                continue;
+            }
+            while (grp.hpos[h*cap + dst] >= 0) {
+                ++dst;
+            }
+            GGML_ASSERT(dst < n_rows);
+            moves.push_back({ h, src, dst });
+            hi = std::max(hi, src + 1);
+            ++dst;
+        }
+    }
+
+    if (!moves.empty()) {
+        for (int32_t il : grp.layers) {
+            // K (and V without v_trans): one row per cell, head h at h*head_bytes within it
+            ggml_tensor * k = grp.kv->get_k_storage(il);
+            ggml_tensor * v = v_storage(*grp.kv, il);
+            for (ggml_tensor * t : { k, v }) {
+                const bool is_v = t == v;
+                const uint32_t d = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+                if (is_v && v_trans) {
+                    // V transposed: element (cell c, feature j) at c + cap*j; the block of head h is contiguous
+                    const size_t es = ggml_type_size(t->type);
+                    std::vector<uint8_t> blk((size_t) d * cap * es);
+                    for (uint32_t h = 0; h < nh; ++h) {
+                        bool any = false;
+                        for (const auto & m : moves) {
+                            any |= m.h == h;
+                        }
+                        if (!any) {
+                            continue;
+                        }
+                        const size_t off = (size_t) h * d * cap * es;
+                        ggml_backend_tensor_get(t, blk.data(), off, blk.size());
+                        for (const auto & m : moves) {
+                            if (m.h != h) {
+                                continue;
+                            }
+                            for (uint32_t i = 0; i < d; ++i) {
+                                memcpy(&blk[((size_t) i*cap + m.dst)*es], &blk[((size_t) i*cap + m.src)*es], es);
+                            }
+                        }
+                        ggml_backend_tensor_set(t, blk.data(), off, blk.size());
+                    }
+                    continue;
+                }
+                const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
+                const size_t head_bytes = ggml_row_size(t->type, d);
+                std::vector<uint8_t> buf((size_t) hi * row_bytes);
+                ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
+                for (const auto & m : moves) {
+                    memcpy(&buf[m.dst*row_bytes + m.h*head_bytes], &buf[m.src*row_bytes + m.h*head_bytes], head_bytes);
+                }
+                ggml_backend_tensor_set(t, buf.data(), 0, (size_t) n_rows * row_bytes);
+            }
+        }
+        for (const auto & m : moves) {
+            const size_t s = grp.head_off(m.h) + m.src;
+            const size_t t = grp.head_off(m.h) + m.dst;
+            grp.acc[t]   = grp.acc[s];
+            grp.last[t]  = grp.last[s];
+            grp.knorm[t] = grp.knorm[s];
+            for (auto & row : grp.ring) {
+                row[t] = row[s];
+            }
+            grp.hpos[(size_t) m.h*cap + m.dst] = grp.hpos[(size_t) m.h*cap + m.src];
+            grp.hpos[(size_t) m.h*cap + m.src] = -1;
+        }
+    }
+
+    // the stock cell of c carries the newest position any head holds there: it is free only when all heads left
+    // it, and a sliding-window cache may recycle it only when every head's token there is out of the window
+    // (the mask itself comes from hpos, set_input_kq_mask_heads)
+    auto & cells = const_cast<llama_kv_cells &>(grp.kv->get_cells(0));
+    for (uint32_t c = 0; c < cap; ++c) {
+        llama_pos want = -1;
+        for (uint32_t h = 0; h < nh; ++h) {
+            want = std::max(want, grp.hpos[h*cap + c]);
+        }
+        const llama_pos have = cells.is_empty(c) ? -1 : cells.pos_get(c);
+        if (want == have) {
+            continue;
+        }
+        if (have >= 0) {
+            cells.rm(c);
+        }
+        if (want >= 0) {
+            cells.pos_set(c, want);
+            cells.seq_add(c, 0);
+        }
+    }
 }
 
 llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_phase_plan & pp) const {
@@ -846,7 +1200,7 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
         const uint64_t n0 = grp.n_evicted;
         evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
         n_freed += grp.n_evicted - n0;
-        if (prefill_exact && grp.n_evicted > n0) {
+        if (prefill_exact && grp.n_evicted > n0 && !grp.per_head) { // per-head eviction repacks by itself
             compact(grp);
         }
     }
@@ -950,7 +1304,7 @@ void llama_kv_cache_poly::compact(group & grp) {
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
     bool any_scores = false;
     for (const auto & grp : groups) {
-        any_scores |= grp.t_rows != nullptr || grp.t_knorm != nullptr;
+        any_scores |= grp.t_rows != nullptr || grp.t_rows_heads != nullptr || grp.t_knorm != nullptr;
     }
     if (any_scores || prefill_exact) {
         // wait for the scores (and, in exact modes, for the cache writes a compaction may read before the next
@@ -970,12 +1324,28 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     prompt_pending = compresses_at_decode() && !decode;
 }
 
-std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il) const {
+std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il, int32_t head) const {
     std::vector<llama_pos> res;
     if (il < 0 || il >= (int32_t) layer_group.size() || layer_group[il] < 0) {
         return res;
     }
-    const auto & cells = groups[layer_group[il]].kv->get_cells(0);
+    const auto & grp = groups[layer_group[il]];
+    if (grp.per_head) {
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            if (head >= 0 && (uint32_t) head != h) {
+                continue;
+            }
+            for (uint32_t c = 0; c < grp.capacity; ++c) {
+                if (grp.hpos[h*grp.capacity + c] >= 0) {
+                    res.push_back(grp.hpos[h*grp.capacity + c]);
+                }
+            }
+        }
+        std::sort(res.begin(), res.end());
+        res.erase(std::unique(res.begin(), res.end()), res.end());
+        return res;
+    }
+    const auto & cells = grp.kv->get_cells(0);
     for (uint32_t i = 0; i < cells.size(); ++i) {
         if (!cells.is_empty(i)) {
             res.push_back(cells.pos_get(i));
@@ -983,6 +1353,39 @@ std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il) const {
     }
     std::sort(res.begin(), res.end());
     return res;
+}
+
+void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const {
+    const auto & grp = groups[g];
+    GGML_ASSERT(grp.per_head && ggml_backend_buffer_is_host(dst->buffer));
+    const int64_t n_kv = dst->ne[0];
+    const int64_t n_tokens = dst->ne[1];
+    GGML_ASSERT(dst->ne[2] == (int64_t) n_head && n_head % grp.n_head_kv == 0 && n_tokens == (int64_t) ubatch->n_tokens);
+    const uint32_t rk = n_head / grp.n_head_kv;
+    const uint32_t cap = grp.capacity;
+    const uint32_t n_swa = grp.is_swa ? hparams.n_swa : 0;
+    std::vector<float> row(n_kv);
+    for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+        for (int64_t i = 0; i < n_tokens; ++i) {
+            const llama_pos p1 = ubatch->pos[i];
+            for (int64_t j = 0; j < n_kv; ++j) {
+                const llama_pos p0 = j < (int64_t) cap ? grp.hpos[h*cap + j] : -1;
+                const bool visible = p0 >= 0 && p0 <= p1 && (n_swa == 0 || p1 - p0 < (llama_pos) n_swa);
+                row[j] = visible ? 0.0f : -INFINITY;
+            }
+            for (uint32_t q = h*rk; q < (h + 1)*rk; ++q) {
+                char * out = (char *) dst->data + i*dst->nb[1] + q*dst->nb[2];
+                if (dst->type == GGML_TYPE_F16) {
+                    ggml_fp16_t * o = (ggml_fp16_t *) out;
+                    for (int64_t j = 0; j < n_kv; ++j) {
+                        o[j] = ggml_fp32_to_fp16(row[j]);
+                    }
+                } else {
+                    memcpy(out, row.data(), n_kv * sizeof(float));
+                }
+            }
+        }
+    }
 }
 
 //
@@ -1026,7 +1429,7 @@ bool llama_kv_cache_poly_context::apply() {
         auto gctx = std::make_unique<llama_kv_cache_context>(grp.kv.get(), llama_kv_cache::slot_info_vec_t{ sinfo },
                                                              std::vector<llama_ubatch>{ ubatch });
         gctx->apply();
-        kv->on_placed(g, sinfo.idxs[0]);
+        kv->on_placed(g, sinfo.idxs[0], ubatch);
         group_ctxs.push_back(std::move(gctx));
     }
     return true;
@@ -1057,8 +1460,28 @@ llm_graph_input_attn_kv_poly::llm_graph_input_attn_kv_poly(
 }
 
 void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
-    for (auto & inp : groups) {
-        inp->set_input(ubatch);
+    for (size_t g = 0; g < groups.size(); ++g) {
+        auto & inp = groups[g];
+        if (!head_masks[g]) {
+            inp->set_input(ubatch);
+            continue;
+        }
+        // per-head group: the stock idxs and rotations, a mask of our own
+        if (inp->self_k_idxs && inp->self_k_idxs->buffer) {
+            inp->mctx->set_input_k_idxs(inp->self_k_idxs, ubatch);
+        }
+        if (inp->self_v_idxs && inp->self_v_idxs->buffer) {
+            inp->mctx->set_input_v_idxs(inp->self_v_idxs, ubatch);
+        }
+        if (head_masks[g]->buffer) {
+            pctx->get_poly()->set_input_kq_mask_heads(g, head_masks[g], ubatch, n_head);
+        }
+        if (inp->self_k_rot && inp->self_k_rot->buffer) {
+            inp->mctx->set_input_k_rot(inp->self_k_rot);
+        }
+        if (inp->self_v_rot && inp->self_v_rot->buffer) {
+            inp->mctx->set_input_v_rot(inp->self_v_rot);
+        }
     }
 }
 
@@ -1102,9 +1525,17 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         auto ginp = std::make_unique<llm_graph_input_attn_kv>(hparams, cparams, gctx);
         ginp->self_k_idxs = gctx->build_input_k_idxs(ctx0, ubatch);
         ginp->self_v_idxs = gctx->build_input_v_idxs(ctx0, ubatch);
-        // flash attention wants an f16 mask
+        // flash attention wants an f16 mask; a per-head group has one mask per query head (ggml indexes the mask by
+        // query head, K and V by KV head)
+        const auto & grp = pctx->get_poly()->get_group(g);
+        const int64_t n_mask_heads = grp.per_head ? hparams.n_head(grp.layers.front()) : 1;
         ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32,
-                                                gctx->get_n_kv(), ubatch.n_tokens/n_stream, 1, n_stream);
+                                                gctx->get_n_kv(), ubatch.n_tokens/n_stream, n_mask_heads, n_stream);
+        inp->head_masks.push_back(grp.per_head ? ginp->self_kq_mask : nullptr);
+        if (grp.per_head) {
+            GGML_ASSERT(n_stream == 1);
+            inp->n_head = (uint32_t) n_mask_heads;
+        }
         ggml_set_input(ginp->self_kq_mask);
         ggml_set_name(ginp->self_kq_mask, "attn_inp_kq_mask");
         ginp->self_kq_mask_cnv = ginp->self_kq_mask;
@@ -1248,14 +1679,32 @@ void llama_polykv_build_scores(
     ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]
     ggml_tensor * kq = ggml_mul_mat(ctx0, ks, qs);                              // [n_kv, n_rows, n_head]
     ggml_prec_set_acc(kq, GGML_PREC_F32);
-    ggml_tensor * m = ggml_view_2d(ctx0, kq_mask, kq_mask->ne[0], n_rows, kq_mask->nb[1], (n_tokens - n_rows)*kq_mask->nb[1]);
+    ggml_tensor * m = ggml_view_3d(ctx0, kq_mask, kq_mask->ne[0], n_rows, kq_mask->ne[2], kq_mask->nb[1], kq_mask->nb[2],
+                                   (n_tokens - n_rows)*kq_mask->nb[1]);
+    if (!ggml_is_contiguous(m)) {
+        m = ggml_cont(ctx0, m); // a per-head mask: the last rows of every head's slice
+    }
     ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, m, kq_scale, 0.0f);           // [n_kv, n_rows, n_head]
     p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 2, 0, 3));                     // [n_head, n_kv, n_rows]
-    p = ggml_sum_rows(ctx0, p);                                                 // [1, n_kv, n_rows]
-    p = ggml_scale(ctx0, p, 1.0f/n_head);                                       // mean over query heads
-    ggml_set_output(p);
-    ggml_build_forward_expand(gf, p);
-    grp.t_rows = record ? p : nullptr;
+    const int64_t n_kv = p->ne[1];
+    if (grp.head_scores()) {
+        // query head q reads KV head q / (n_head / n_head_kv): average each KV head's query heads
+        const int64_t rk = n_head / grp.n_head_kv;
+        ggml_tensor * ph = ggml_reshape_2d(ctx0, p, rk, grp.n_head_kv * n_kv * n_rows);
+        ph = ggml_sum_rows(ctx0, ph);                                           // [1, n_head_kv*n_kv*n_rows]
+        ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, n_rows);           // [n_head_kv, n_kv, n_rows]
+        ph = ggml_scale(ctx0, ph, 1.0f/rk);
+        ggml_set_output(ph);
+        ggml_build_forward_expand(gf, ph);
+        grp.t_rows_heads = record ? ph : nullptr;
+    }
+    if (grp.layer_scores()) {
+        ggml_tensor * pl = ggml_sum_rows(ctx0, p);                              // [1, n_kv, n_rows]
+        pl = ggml_scale(ctx0, pl, 1.0f/n_head);                                 // mean over query heads
+        ggml_set_output(pl);
+        ggml_build_forward_expand(gf, pl);
+        grp.t_rows = record ? pl : nullptr;
+    }
 }
 
 void llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch) {
@@ -1388,7 +1837,7 @@ int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct ll
             s.budget_prefill  = grp.phase[0].pattern == LLAMA_POLYKV_FULLKV ? -1 : grp.phase[0].budget;
             s.budget_decode   = grp.phase[1].pattern == LLAMA_POLYKV_FULLKV ? -1 : grp.phase[1].budget;
             s.capacity        = grp.capacity;
-            s.used            = (uint32_t) poly->kept_positions(il).size();
+            s.used            = grp.kv->get_cells(0).get_used();
             s.n_evicted       = grp.n_evicted;
             s.bytes           = poly->group_bytes(g) / grp.layers.size();
             s.bytes_fullkv    = (uint64_t) ((double) s.bytes / grp.capacity * poly->get_n_ctx());
@@ -1408,6 +1857,27 @@ int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_
         out[i] = pos[i];
     }
     return (int32_t) pos.size();
+}
+
+int32_t llama_polykv_get_kept_positions_head(const struct llama_context * ctx, int32_t il, int32_t head, llama_pos * out, int32_t n_max) {
+    auto * poly = get_poly(ctx);
+    if (!poly || il < 0 || il >= poly->get_plan().n_layer || poly->group_of(il) < 0 || head < 0 ||
+        head >= (int32_t) poly->get_group(poly->group_of(il)).n_head_kv) {
+        return -1;
+    }
+    const auto pos = poly->kept_positions(il, head);
+    for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
+        out[i] = pos[i];
+    }
+    return (int32_t) pos.size();
+}
+
+int32_t llama_polykv_layer_per_head(const struct llama_context * ctx, int32_t il) {
+    auto * poly = get_poly(ctx);
+    if (!poly || il < 0 || il >= poly->get_plan().n_layer || poly->group_of(il) < 0) {
+        return -1;
+    }
+    return poly->get_group(poly->group_of(il)).per_head ? 1 : 0;
 }
 
 const char * llama_polykv_pattern_str(int32_t pattern) {

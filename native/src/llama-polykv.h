@@ -38,6 +38,12 @@ enum llama_polykv_pattern {
     LLAMA_POLYKV_KNORM,
 };
 
+// which unit keeps its own token set: the layer (all its KV heads share one set) or each KV head
+enum llama_polykv_selection {
+    LLAMA_POLYKV_SELECT_LAYER = 0,
+    LLAMA_POLYKV_SELECT_HEAD  = 1,
+};
+
 enum llama_polykv_phase {
     LLAMA_POLYKV_PHASE_PREFILL = 0,
     LLAMA_POLYKV_PHASE_DECODE  = 1,
@@ -54,7 +60,11 @@ struct llama_polykv_phase_plan {
     int32_t obs_window  = 32;
     int32_t pool_kernel = 1;
 
+    llama_polykv_selection selection = LLAMA_POLYKV_SELECT_LAYER;
+
     bool needs_scores() const;
+    // a score- or key-based pattern selecting per KV head (positional patterns keep the same set in every head)
+    bool per_head() const;
 };
 
 struct llama_polykv_plan {
@@ -93,16 +103,32 @@ public:
         uint32_t capacity  = 0;
         uint64_t n_evicted = 0;
 
-        // per-cell score state of attention/key based patterns (groups of one layer)
+        // per-head selection (groups of one layer): every KV head keeps its own tokens in the group's cells;
+        // hpos[h*capacity + c] is the position head h holds in cell c (-1: none). The stock cache's cell of c
+        // carries the largest of them, so that it is free only when every head left it (see repack)
+        bool per_head = false;
+        uint32_t n_head_kv = 1;
+        std::vector<llama_pos> hpos;
+
+        // per-cell score state of attention/key based patterns (groups of one layer), in slots of capacity
+        // cells: the layer's (slot 0, layer selection), each KV head's (head_off(h), per-head selection), or
+        // both (portable prefill, which must serve either kind of plan)
         std::vector<float> acc;                // H2O: attention received, accumulated
         std::vector<float> last;               // TOVA: attention from the last query
-        std::vector<float> knorm;              // K-norm: mean over KV heads of ||k||
+        std::vector<float> knorm;              // K-norm: ||k||, the mean over KV heads for layer selection
         std::vector<std::vector<float>> ring;  // SnapKV: the last obs_window query rows
 
         // graph outputs of the last ubatch (valid until the next graph is computed)
-        ggml_tensor * t_rows  = nullptr; // [n_kv, n_rows]: head-mean attention of the last rows queries
+        ggml_tensor * t_rows  = nullptr; // [1, n_kv, n_rows]: attention of the last rows queries, mean over
+                                         // the query heads of the layer
+        ggml_tensor * t_rows_heads = nullptr; // [n_head_kv, n_kv, n_rows]: the same, mean over each KV head's
         ggml_tensor * t_knorm = nullptr; // [n_head_kv, n_tokens]: ||k|| of the new tokens per KV head
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
+
+        bool layer_scores() const { return !per_head || collect_all; }
+        bool head_scores()  const { return per_head || collect_all; }
+        uint32_t n_slots() const { return (layer_scores() ? 1 : 0) + (head_scores() ? n_head_kv : 0); }
+        size_t head_off(uint32_t h) const { return (size_t) ((layer_scores() ? 1 : 0) + h) * capacity; }
 
         bool is_swa = false; // sliding-window layers: the window masks, eviction may shrink further
         bool collect_all = false; // portable prefill: keep the score state of every pattern
@@ -165,7 +191,7 @@ public:
     uint32_t get_n_ctx() const { return n_ctx; }
 
     // remember where the tokens of a ubatch went, reset the score state of those cells
-    void on_placed(uint32_t g, const std::vector<uint32_t> & cells);
+    void on_placed(uint32_t g, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch);
 
     // before a ubatch is placed: in exact prefill mode, the first decode step first compresses the prompt
     void before_ubatch(const llama_ubatch & ubatch);
@@ -176,8 +202,12 @@ public:
     // returns the number of cells freed over all groups
     uint64_t compress_prompt();
 
-    // kept positions of a layer (sorted)
-    std::vector<llama_pos> kept_positions(int32_t il) const;
+    // kept positions of a layer (sorted); head >= 0: those of one KV head (per-head selection), head < 0: the
+    // union over the heads
+    std::vector<llama_pos> kept_positions(int32_t il, int32_t head = -1) const;
+
+    // per-head groups: the attention mask of a ubatch, [n_kv, n_tokens, n_head] (one slice per query head)
+    void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const;
 
     size_t group_bytes(uint32_t g) const;
 
@@ -188,6 +218,7 @@ private:
     llama_polykv_plan plan;
 
     const uint32_t n_ctx;
+    const bool v_trans;
 
     // exact prefill: keep the whole prompt, compress it once when decoding starts (caches of n_ctx cells);
     // portable (mode 2): also one group per layer that keeps the score state of every pattern, so that the
@@ -211,6 +242,8 @@ private:
     // kept tokens are spread over n_ctx cells, and attention would still span all of them)
     void compact(group & grp);
     void evict(group & grp, const llama_polykv_phase_plan & pp);
+    // per-head groups: move each head's kept tokens into the first cells and relabel the stock cells
+    void repack(group & grp);
 };
 
 class llama_kv_cache_poly_context : public llama_memory_context_i {
@@ -257,6 +290,10 @@ public:
     llm_graph_input_attn_kv * group_input(int32_t il) const;
 
     const llama_kv_cache_poly_context * pctx;
+
+    // per-head groups fill their mask themselves ([n_kv, n_tokens, n_head]); nullptr for the others
+    std::vector<ggml_tensor *> head_masks;
+    uint32_t n_head = 0;
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;
 };

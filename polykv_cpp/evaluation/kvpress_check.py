@@ -52,10 +52,14 @@ FULLKV = "fullkv"
 #: our baseline -> the kvpress press that implements the same rule
 PRESS_OF = {"streamingllm": "StreamingLLMPress", "h2o": "ObservedAttentionPress", "snapkv": "SnapKVPress",
             "tova": "TOVAPress", "knorm": "KnormPress", "pyramidkv": "PyramidKVPress"}
+# kvpress's scorer presses select per KV head (top-k of [batch, n_head_kv, n_key] scores): the same granularity
+# as our "-head" baselines, which map to the same presses
+PRESS_OF.update({f"{m}-head": PRESS_OF[m] for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv")})
 #: presses whose score reads the full attention matrix (kvpress asks for eager attention)
-NEEDS_ATTENTIONS = ("h2o",)
+NEEDS_ATTENTIONS = tuple(m for m, p in PRESS_OF.items() if p == "ObservedAttentionPress")
 DIFFERENCES = [
-    "kvpress selects tokens per KV head; our cache keeps one token set per layer (scores summed over heads)",
+    "kvpress selects tokens per KV head; our per-layer baselines keep one token set per layer (scores averaged over "
+    "heads), our '-head' baselines select per KV head as kvpress does",
     "kvpress compresses the prompt only and the cache grows while decoding; our baselines also evict during "
     "decode (the cache stays at the budget)",
     "kvpress runs transformers in fp32 on the weights dequantized from the GGUF; we run the GGUF with an f16 cache",
@@ -114,6 +118,7 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
     if method not in PRESS_OF:
         raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)})")
     kw: dict[str, Any] = {"compression_ratio": ratio}
+    method = method.removesuffix("-head")
     ours = DEFAULT_PARAMS[method]
     if not own_params:
         if method == "streamingllm":

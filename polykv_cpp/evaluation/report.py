@@ -15,9 +15,13 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from polykv_cpp.evaluation import scoring
 
 FULL = "full"
+#: bootstrap replicates of every interval (paired over samples, stratified by task)
+N_BOOT = 2000
 BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
 TASK_KINDS = ("ruler", "longbench")
 
@@ -34,36 +38,87 @@ def _plan_methods(data: Mapping[str, Any]) -> list[str]:
 
 
 def summarize(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Aggregate the records: task scores (0-100) per kind/protocol/length/method/budget, perplexity/KL, and
-    the gap recovered by every plan method against the strongest baseline."""
+    """Aggregate the records: task scores (0-100) per kind/protocol/length/method/budget with bootstrap 95%
+    intervals, perplexity/KL, and the gap recovered by every plan method against the strongest baseline (with its
+    interval)."""
     recs = data.get("records", [])
     out: dict[str, Any] = {}
+    reps: dict[tuple, np.ndarray] = {}
     for kind in TASK_KINDS:
         rs = [r for r in recs if r["kind"] == kind]
         if rs:
-            out[kind] = _task_table(rs)
+            out[kind] = _task_table(rs, reps, kind)
     pp = [r for r in recs if r["kind"] == "ppl"]
     if pp:
         out["ppl"] = _ppl_table(pp)
-    out["gap_recovered"] = _gaps(out, data)
+    out["gap_recovered"] = _gaps(out, data, reps)
     return out
 
 
-def _task_table(rs: list[dict[str, Any]]) -> dict[str, Any]:
-    # protocol -> length ("all" too) -> method -> budget -> task -> scores
-    acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list)))))
+def bootstrap_task_average(scores: Mapping[str, Mapping[str, Mapping[Any, float]]], n_boot: int = N_BOOT,
+                           seed: int = 0) -> dict[str, np.ndarray]:
+    """Bootstrap replicates of the task-averaged score (0-100) of several methods on the same samples.
+
+    ``scores[method][task][sample] = score`` (0-1). Every replicate draws, for each task, as many samples as the
+    task has, with replacement, and the same draw serves every method (paired: a difference between two methods
+    is measured on the same prompts); a method's replicate is the mean over tasks of its mean over the drawn
+    samples it has. Returns ``method -> [n_boot]``; the 2.5 and 97.5 percentiles are the 95% interval.
+    """
+    rng = np.random.default_rng(seed)
+    tasks = sorted({t for by_t in scores.values() for t in by_t})
+    draws = {}
+    for t in tasks:
+        ids = sorted({i for by_t in scores.values() for i in by_t.get(t, {})}, key=str)
+        draws[t] = (ids, rng.integers(0, len(ids), size=(n_boot, len(ids))))
+    out: dict[str, np.ndarray] = {}
+    for m, by_t in scores.items():
+        per_task = []
+        for t in tasks:
+            if t not in by_t:
+                continue
+            ids, idx = draws[t]
+            vals = np.array([by_t[t].get(i, np.nan) for i in ids], dtype=np.float64)
+            with np.errstate(invalid="ignore"):
+                per_task.append(np.nanmean(vals[idx], axis=1))
+        out[m] = 100 * np.nanmean(np.stack(per_task), axis=0) if per_task else np.full(n_boot, np.nan)
+    return out
+
+
+def interval(reps: np.ndarray) -> list[float] | None:
+    """The 95% percentile interval of bootstrap replicates (None if they are all undefined)."""
+    reps = reps[np.isfinite(reps)]
+    if reps.size == 0:
+        return None
+    return [float(np.percentile(reps, 2.5)), float(np.percentile(reps, 97.5))]
+
+
+def _task_table(rs: list[dict[str, Any]], reps: dict[tuple, np.ndarray] | None = None, kind: str = "ruler"
+                ) -> dict[str, Any]:
+    # protocol -> length ("all" too) -> method -> budget -> task -> sample -> score
+    acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(dict)))))
     for r in rs:
         for L in (str(r["length"]), "all"):
-            acc[r["protocol"]][L][r["method"]][_bk(r["budget"])][r["task"]].append(r["score"])
+            acc[r["protocol"]][L][r["method"]][_bk(r["budget"])][r["task"]][(r["length"], r["index"])] = r["score"]
     table: dict[str, Any] = {}
     for p, by_len in acc.items():
         for L, by_m in by_len.items():
             for m, by_b in by_m.items():
                 for b, by_t in by_b.items():
-                    t_means = {t: 100 * sum(v) / len(v) for t, v in sorted(by_t.items())}
+                    t_means = {t: 100 * sum(v.values()) / len(v) for t, v in sorted(by_t.items())}
                     cell = {"avg": sum(t_means.values()) / len(t_means), "tasks": t_means,
                             "n": sum(len(v) for v in by_t.values())}
                     table.setdefault(p, {}).setdefault(L, {}).setdefault(m, {})[b] = cell
+            # paired intervals: per budget, every method at that budget with FullKV, on the same draws
+            budgets = {b for by_b in by_m.values() for b in by_b if b != FULL}
+            for b in sorted(budgets, key=int) or [FULL]:
+                group = {m: by_b[b] for m, by_b in by_m.items() if b in by_b}
+                if FULL in by_m.get("fullkv", {}):
+                    group["fullkv"] = by_m["fullkv"][FULL]
+                for m, r in bootstrap_task_average(group).items():
+                    mb = FULL if m == "fullkv" else b
+                    table[p][L][m][mb].setdefault("ci95", interval(r))
+                    if reps is not None:
+                        reps[(kind, p, L, m, b)] = r
     return table
 
 
@@ -90,26 +145,38 @@ def _budgets(table_by_m: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return sorted(bs, key=int)
 
 
-def _gap_cell(by_m: Mapping[str, Mapping[str, Any]], plan: str, b: str, get, higher: bool) -> dict[str, Any] | None:
+def _gap_cell(by_m: Mapping[str, Mapping[str, Any]], plan: str, b: str, get, higher: bool,
+              reps: Mapping[str, np.ndarray] | None = None) -> dict[str, Any] | None:
     if plan not in by_m or b not in by_m[plan] or FULL not in by_m.get("fullkv", {}):
         return None
     vals = {m: get(by_m[m][b]) for m in BASELINES if m in by_m and b in by_m[m]}
     best, best_v = scoring.best_baseline(vals, BASELINES, higher)
     full_v = get(by_m["fullkv"][FULL])
     plan_v = get(by_m[plan][b])
-    return {"value": scoring.gap_recovered(plan_v, best_v, full_v, higher), "plan": plan_v, "best": best,
+    cell = {"value": scoring.gap_recovered(plan_v, best_v, full_v, higher), "plan": plan_v, "best": best,
             "best_value": best_v, "fullkv": full_v}
+    if reps is not None and best is not None and all(k in reps for k in (plan, best, "fullkv")):
+        # the best baseline is the one of the point estimate; its gap is re-measured on every replicate
+        gap = reps["fullkv"] - reps[best]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            g = np.where(gap > 1e-12, (reps[plan] - reps[best]) / gap, np.nan)
+        cell["ci95"] = interval(g)
+        cell["diff_ci95"] = interval(reps[plan] - reps[best])
+    return cell
 
 
-def _gaps(summary: Mapping[str, Any], data: Mapping[str, Any]) -> dict[str, Any]:
+def _gaps(summary: Mapping[str, Any], data: Mapping[str, Any], reps: Mapping[tuple, np.ndarray] | None = None
+          ) -> dict[str, Any]:
     plans = _plan_methods(data)
+    reps = reps or {}
     out: dict[str, Any] = {}
     for kind in TASK_KINDS:
         for p, by_len in summary.get(kind, {}).items():
             for L, by_m in by_len.items():
                 for plan in plans:
                     for b in _budgets(by_m):
-                        cell = _gap_cell(by_m, plan, b, lambda c: c["avg"], True)
+                        r = {m: v for (k, pp, LL, m, bb), v in reps.items() if (k, pp, LL, bb) == (kind, p, L, b)}
+                        cell = _gap_cell(by_m, plan, b, lambda c: c["avg"], True, r or None)
                         if cell:
                             out.setdefault(kind, {}).setdefault(p, {}).setdefault(L, {}).setdefault(plan, {})[b] = cell
     for L, by_m in summary.get("ppl", {}).items():
@@ -166,17 +233,29 @@ def _task_avg_table(data: Mapping[str, Any], by_m: Mapping[str, Any], gaps: Mapp
     lines = _header(["method"] + [_budget_label(b, lengths) for b in budgets])
     for m in _method_order(data, by_m):
         if m == "fullkv":
-            v = by_m[m].get(FULL, {}).get("avg")
-            lines.append(_row(["**fullkv** (keeps all)"] + [_f(v)] * len(budgets)))
+            v = _with_ci(by_m[m].get(FULL, {}))
+            lines.append(_row(["**fullkv** (keeps all)"] + [v] * len(budgets)))
         else:
-            lines.append(_row([m] + [_f(by_m[m].get(b, {}).get("avg")) for b in budgets]))
+            lines.append(_row([m] + [_with_ci(by_m[m].get(b, {})) for b in budgets]))
     for plan, by_b in gaps.items():
         cells = []
         for b in budgets:
             c = by_b.get(b)
-            cells.append("n/a" if not c or c["value"] is None else f"{_pct(c['value'])} (vs {c['best']})")
+            if not c or c["value"] is None:
+                cells.append("n/a")
+                continue
+            ci = c.get("ci95")
+            ci_s = f" [{_pct(ci[0])}, {_pct(ci[1])}]" if ci else ""
+            cells.append(f"{_pct(c['value'])}{ci_s} (vs {c['best']})")
         lines.append(_row([f"gap recovered by {plan}"] + cells))
     return lines
+
+
+def _with_ci(cell: Mapping[str, Any]) -> str:
+    """"47.1 [40.2-53.9]": the average and its bootstrap 95% interval."""
+    v = _f(cell.get("avg"))
+    ci = cell.get("ci95")
+    return f"{v} [{_f(ci[0])}-{_f(ci[1])}]" if ci else v
 
 
 def _task_detail(data: Mapping[str, Any], by_m: Mapping[str, Any], b: str) -> list[str]:
@@ -320,6 +399,8 @@ def _style(m: str, plans: list[str]) -> tuple[str, str, float]:
     if m in _STYLE:
         c, ls = _STYLE[m]
         return c, ls, 1.5
+    if m.endswith("-head") and m[:-5] in _STYLE:
+        return _STYLE[m[:-5]][0], ":", 1.8  # a per-head baseline: its pattern's colour, dotted
     return _PLAN_COLORS[plans.index(m) % len(_PLAN_COLORS)] if m in plans else "tab:olive", "-", 2.6
 
 

@@ -45,7 +45,11 @@ from polykv_cpp.errors import PlanError, PolyKVError
 from polykv_cpp.evaluation import scoring, tasks as T
 
 FULLKV = "fullkv"
-BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
+#: uniform single-pattern baselines: one token set per layer, and the per-KV-head variants ("snapkv-head": every
+#: KV head keeps its own budget tokens by its own scores; the papers' own granularity)
+LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
+HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv"))
+BASELINES = LAYER_BASELINES + HEAD_BASELINES
 DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
 PROTOCOLS = ("query-agnostic", "query-aware")
 PREFILL_MODES = ("exact", "chunked")
@@ -497,10 +501,11 @@ class Evaluator:
             for b in cfg.budgets:
                 run = Run(meth, b)
                 try:
-                    if meth == "pyramidkv":
-                        run.plan = plan_mod.pyramid_plan(self.n_layer, b)
+                    base, selection = plan_mod.split_selection(meth) if meth in BASELINES else (meth, "layer")
+                    if base == "pyramidkv" and meth in BASELINES:
+                        run.plan = plan_mod.pyramid_plan(self.n_layer, b, selection=selection)
                     elif meth in BASELINES:
-                        run.plan = plan_mod.uniform_plan(self.n_layer, meth, b)
+                        run.plan = plan_mod.uniform_plan(self.n_layer, base, b, selection=selection)
                     else:
                         run.plan = self._plan_at(self.plans[meth], b)
                         run.plan.validate(n_layer=self.n_layer)

@@ -29,12 +29,14 @@ from typing import Any
 
 from polykv_cpp.errors import PolyKVError
 
-RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "qa", "qa_2hop")
+RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "niah_code", "vt", "cwe", "qa",
+               "qa_2hop")
 TASK_DESCRIPTIONS = {
     "niah_single": "needle in a haystack: one key/number pair hidden in natural text, asked back",
     "niah_multikey": "one target needle among 3 distractor needles with other keys",
     "niah_multivalue": "one key with 4 numbers; all 4 must be returned",
     "niah_multiquery": "4 keys with one number each, all asked at once",
+    "niah_code": "one target needle (a code comment) among 3 distractors in real Python standard-library sources",
     "vt": "variable tracking: a chain of 5 assignments hidden in noise; name all variables holding the value",
     "cwe": "common-word extraction: the 10 words repeated 30x among words seen 3x",
     "qa": "QA over synthetic facts: one attribute of one fictional person among many documents",
@@ -42,7 +44,7 @@ TASK_DESCRIPTIONS = {
 }
 # answer budgets (RULER uses 128/30/120/32; ours are smaller because answers are short and CPU time counts)
 MAX_NEW_TOKENS = {"niah_single": 24, "niah_multikey": 24, "niah_multivalue": 64, "niah_multiquery": 64,
-                  "vt": 40, "cwe": 96, "qa": 24, "qa_2hop": 24}
+                  "niah_code": 24, "vt": 40, "cwe": 96, "qa": 24, "qa_2hop": 24}
 
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -259,25 +261,71 @@ def prose_sentences() -> list[str]:
     return _PROSE
 
 
+#: pure-Python standard-library modules whose sources make the `code` haystack (code, docstrings, comments)
+CODE_MODULES = ("argparse", "calendar", "configparser", "csv", "dataclasses", "difflib", "enum", "fractions",
+                "functools", "gettext", "heapq", "json.decoder", "json.encoder", "shlex", "string", "textwrap",
+                "tokenize", "zipfile")
+
+
+def _code_blocks() -> list[str]:
+    """Blocks of Python source (split at blank lines, 2..24 lines each) from :data:`CODE_MODULES`."""
+    import importlib.util
+
+    out: list[str] = []
+    for name in CODE_MODULES:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+            continue
+        try:
+            text = Path(spec.origin).read_text(encoding="utf-8")
+        except OSError:
+            continue
+        for block in re.split(r"\n\s*\n", text):
+            lines = [ln.rstrip() for ln in block.splitlines() if ln.strip()]
+            if 2 <= len(lines) <= 24 and all(ln.isascii() for ln in lines):
+                out.append("\n".join(lines))
+    return out
+
+
+_CODE: list[str] | None = None
+
+
+def code_blocks() -> list[str]:
+    global _CODE
+    if _CODE is None:
+        _CODE = _code_blocks()
+    return _CODE
+
+
 class Haystack:
-    """Filler units: RULER's noise sentence (`noise`) or natural sentences (`text`, Python docs)."""
+    """Filler units: RULER's noise sentence (`noise`), natural sentences (`text`, Python docs) or real source code
+    (`code`, Python standard-library modules shipped with the interpreter)."""
 
     def __init__(self, kind: str):
         if kind == "text" and not prose_sentences():
             kind = "noise"  # no pydoc_data: fall back, recorded in the sample's meta
-        if kind not in ("noise", "text"):
-            raise TaskError(f"unknown haystack {kind!r} (noise, text)")
+        if kind == "code" and not code_blocks():
+            kind = "text" if prose_sentences() else "noise"
+        if kind not in ("noise", "text", "code"):
+            raise TaskError(f"unknown haystack {kind!r} (noise, text, code)")
         self.kind = kind
 
     def units(self, n: int, offset: int) -> list[str]:
         if self.kind == "noise":
             return [NOISE] * n
-        sents = prose_sentences()
-        return [sents[(offset + i) % len(sents)] for i in range(n)]
+        pool = code_blocks() if self.kind == "code" else prose_sentences()
+        return [pool[(offset + i) % len(pool)] for i in range(n)]
+
+    def needle(self, text: str) -> str:
+        """A needle as it sits in this haystack: a comment line in code, a sentence elsewhere."""
+        return f"# {text}" if self.kind == "code" else text
 
     @property
     def sep(self) -> str:
-        return "\n" if self.kind == "noise" else " "
+        return {"noise": "\n", "text": " ", "code": "\n\n"}[self.kind]
 
 
 def _insert(units: list[str], items: Sequence[str], depths: Sequence[float]) -> list[str]:
@@ -345,7 +393,7 @@ def _niah(rng: random.Random, n: int, hay: Haystack, length: int, *, n_keys: int
     needles, owners = [], []
     for k, vs in zip(keys, values):
         for v in vs:
-            needles.append(f"One of the special magic numbers for {k} is: {v}.")
+            needles.append(hay.needle(f"One of the special magic numbers for {k} is: {v}."))
             owners.append(k)
     depths = [rng.random() for _ in needles]
     offset = rng.randrange(1 << 30)
@@ -478,6 +526,7 @@ _BUILDERS: dict[str, tuple[Callable[..., dict], str]] = {
                                                  task="niah_multivalue"), "text"),
     "niah_multiquery": (lambda r, n, h, L: _niah(r, n, h, L, n_keys=4, n_values=1, n_query=4,
                                                  task="niah_multiquery"), "text"),
+    "niah_code": (lambda r, n, h, L: _niah(r, n, h, L, n_keys=4, n_values=1, n_query=1, task="niah_code"), "code"),
     "vt": (_vt, "noise"),
     "cwe": (_cwe, "noise"),
     "qa": (_qa, "noise"),
