@@ -9,6 +9,7 @@
 // docs/design.md and docs/patterns.md describe the behaviour; polykv_cpp/patterns.py is the reference.
 
 #include "llama.h"
+#include "llama-polykv-plan.h"
 #include "llama-graph.h"
 #include "llama-kv-cache.h"
 #include "llama-memory.h"
@@ -24,69 +25,12 @@
 #define LLAMA_POLYKV_VERSION "dev"
 #endif
 
+// portable prefill keeps the attention rows of this many last queries (SnapKV/PyramidKV plans read at most this many)
+#define LLAMA_POLYKV_PORTABLE_OBS_WINDOW 64
+
 struct llama_model;
 struct llama_cparams;
 struct llama_memory_params;
-
-enum llama_polykv_pattern {
-    LLAMA_POLYKV_FULLKV,
-    LLAMA_POLYKV_STREAMINGLLM,
-    LLAMA_POLYKV_H2O,
-    LLAMA_POLYKV_SNAPKV,
-    LLAMA_POLYKV_TOVA,
-    LLAMA_POLYKV_PYRAMIDKV,
-    LLAMA_POLYKV_KNORM,
-};
-
-// which unit keeps its own token set: the layer (all its KV heads share one set) or each KV head
-enum llama_polykv_selection {
-    LLAMA_POLYKV_SELECT_LAYER = 0,
-    LLAMA_POLYKV_SELECT_HEAD  = 1,
-};
-
-enum llama_polykv_phase {
-    LLAMA_POLYKV_PHASE_PREFILL = 0,
-    LLAMA_POLYKV_PHASE_DECODE  = 1,
-};
-
-// one layer in one phase, with parameters as the reference (polykv_cpp.patterns.pattern_from_phase_plan) reads them
-struct llama_polykv_phase_plan {
-    llama_polykv_pattern pattern = LLAMA_POLYKV_FULLKV;
-
-    int32_t budget      = -1;   // tokens kept; -1: everything (FullKV) or not resolved yet (share)
-    double  share       = -1.0; // share of the pool above b_min, < 0 if the plan gives tokens
-    int32_t n_sink      = 0;
-    int32_t window      = 0;
-    int32_t obs_window  = 32;
-    int32_t pool_kernel = 1;
-
-    llama_polykv_selection selection = LLAMA_POLYKV_SELECT_LAYER;
-
-    bool needs_scores() const;
-    // a score- or key-based pattern selecting per KV head (positional patterns keep the same set in every head)
-    bool per_head() const;
-};
-
-struct llama_polykv_plan {
-    uint32_t version     = 1;
-    int32_t  n_layer     = 0;
-    int32_t  budget_avg  = 0;
-    int32_t  b_min       = 1;
-    bool     exact_total = true;
-    int32_t  full_charge = -1;
-
-    std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
-};
-
-// parse plan format v1 (docs/plan-format.md); on failure returns false and sets err
-bool llama_polykv_plan_parse(const std::string & json, llama_polykv_plan & plan, std::string & err);
-
-// turn shares into tokens and, if kv_budget > 0, rescale the budgets to that average keeping b_min
-// (largest remainder, as Plan.scaled in polykv_cpp/plan.py); FullKV layers are charged n_ctx.
-// caps[il] > 0: layer il cannot hold more tokens (a sliding-window layer: its window); the tokens it cannot
-// hold go to the other layers. Empty caps: no caps.
-bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint32_t n_ctx, const std::vector<int32_t> & caps,
-                               std::string & err);
 
 //
 // llama_kv_cache_poly
@@ -127,6 +71,8 @@ public:
 
         bool layer_scores() const { return !per_head || collect_all; }
         bool head_scores()  const { return per_head || collect_all; }
+        // the query rows the score state keeps (SnapKV/PyramidKV observation window; every pattern's when portable)
+        int32_t ring_size() const;
         uint32_t n_slots() const { return (layer_scores() ? 1 : 0) + (head_scores() ? n_head_kv : 0); }
         size_t head_off(uint32_t h) const { return (size_t) ((layer_scores() ? 1 : 0) + h) * capacity; }
 
@@ -241,6 +187,7 @@ private:
     // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
     // kept tokens are spread over n_ctx cells, and attention would still span all of them)
     void compact(group & grp);
+    // bring a group down to the budget of pp (llama-polykv-select.cpp)
     void evict(group & grp, const llama_polykv_phase_plan & pp);
     // per-head groups: move each head's kept tokens into the first cells and relabel the stock cells
     void repack(group & grp);

@@ -1,0 +1,209 @@
+// PolyKV: graph inputs (one index/mask input per cache group, per-query-head masks for per-head groups) and the
+// score branch of the attention-based patterns
+
+#include "llama-polykv.h"
+
+#include "llama-cparams.h"
+
+#include <cmath>
+#include <cstring>
+
+void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const {
+    const auto & grp = groups[g];
+    GGML_ASSERT(grp.per_head && ggml_backend_buffer_is_host(dst->buffer));
+    const int64_t n_kv = dst->ne[0];
+    const int64_t n_tokens = dst->ne[1];
+    GGML_ASSERT(dst->ne[2] == (int64_t) n_head && n_head % grp.n_head_kv == 0 && n_tokens == (int64_t) ubatch->n_tokens);
+    const uint32_t rk = n_head / grp.n_head_kv;
+    const uint32_t cap = grp.capacity;
+    const uint32_t n_swa = grp.is_swa ? hparams.n_swa : 0;
+    std::vector<float> row(n_kv);
+    for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+        for (int64_t i = 0; i < n_tokens; ++i) {
+            const llama_pos p1 = ubatch->pos[i];
+            for (int64_t j = 0; j < n_kv; ++j) {
+                const llama_pos p0 = j < (int64_t) cap ? grp.hpos[h*cap + j] : -1;
+                const bool visible = p0 >= 0 && p0 <= p1 && (n_swa == 0 || p1 - p0 < (llama_pos) n_swa);
+                row[j] = visible ? 0.0f : -INFINITY;
+            }
+            for (uint32_t q = h*rk; q < (h + 1)*rk; ++q) {
+                char * out = (char *) dst->data + i*dst->nb[1] + q*dst->nb[2];
+                if (dst->type == GGML_TYPE_F16) {
+                    ggml_fp16_t * o = (ggml_fp16_t *) out;
+                    for (int64_t j = 0; j < n_kv; ++j) {
+                        o[j] = ggml_fp32_to_fp16(row[j]);
+                    }
+                } else {
+                    memcpy(out, row.data(), n_kv * sizeof(float));
+                }
+            }
+        }
+    }
+}
+
+//
+// graph input
+//
+
+llm_graph_input_attn_kv_poly::llm_graph_input_attn_kv_poly(
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        const llama_kv_cache_poly_context * pctx) :
+    llm_graph_input_attn_kv(hparams, cparams, pctx->get_group(0)), pctx(pctx) {
+}
+
+void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
+    for (size_t g = 0; g < groups.size(); ++g) {
+        auto & inp = groups[g];
+        if (!head_masks[g]) {
+            inp->set_input(ubatch);
+            continue;
+        }
+        // per-head group: the stock idxs and rotations, a mask of our own
+        if (inp->self_k_idxs && inp->self_k_idxs->buffer) {
+            inp->mctx->set_input_k_idxs(inp->self_k_idxs, ubatch);
+        }
+        if (inp->self_v_idxs && inp->self_v_idxs->buffer) {
+            inp->mctx->set_input_v_idxs(inp->self_v_idxs, ubatch);
+        }
+        if (head_masks[g]->buffer) {
+            pctx->get_poly()->set_input_kq_mask_heads(g, head_masks[g], ubatch, n_head);
+        }
+        if (inp->self_k_rot && inp->self_k_rot->buffer) {
+            inp->mctx->set_input_k_rot(inp->self_k_rot);
+        }
+        if (inp->self_v_rot && inp->self_v_rot->buffer) {
+            inp->mctx->set_input_v_rot(inp->self_v_rot);
+        }
+    }
+}
+
+bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
+    GGML_UNUSED(params);
+    // cell counts change with every eviction
+    return false;
+}
+
+llm_graph_input_attn_kv * llm_graph_input_attn_kv_poly::group_input(int32_t il) const {
+    const int32_t g = pctx->get_poly()->group_of(il);
+    GGML_ASSERT(g >= 0);
+    return groups[g].get();
+}
+
+llm_graph_input_attn_kv_iswa_poly::llm_graph_input_attn_kv_iswa_poly(
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        std::unique_ptr<llm_graph_input_attn_kv_poly> kv) :
+    llm_graph_input_attn_kv_iswa(hparams, cparams, nullptr), kv(std::move(kv)) {
+}
+
+void llm_graph_input_attn_kv_iswa_poly::set_input(const llama_ubatch * ubatch) {
+    kv->set_input(ubatch);
+}
+
+bool llm_graph_input_attn_kv_iswa_poly::can_reuse(const llm_graph_params & params) {
+    return kv->can_reuse(params);
+}
+
+std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
+        ggml_context * ctx0,
+        const llama_ubatch & ubatch,
+        const llama_hparams & hparams,
+        const llama_cparams & cparams,
+        const llama_kv_cache_poly_context * pctx) {
+    auto inp = std::make_unique<llm_graph_input_attn_kv_poly>(hparams, cparams, pctx);
+    const int64_t n_stream = cparams.kv_unified ? 1 : ubatch.n_seqs_unq;
+    for (uint32_t g = 0; g < pctx->n_groups(); ++g) {
+        const auto * gctx = pctx->get_group(g);
+        auto ginp = std::make_unique<llm_graph_input_attn_kv>(hparams, cparams, gctx);
+        ginp->self_k_idxs = gctx->build_input_k_idxs(ctx0, ubatch);
+        ginp->self_v_idxs = gctx->build_input_v_idxs(ctx0, ubatch);
+        // flash attention wants an f16 mask; a per-head group has one mask per query head (ggml indexes the mask by
+        // query head, K and V by KV head)
+        const auto & grp = pctx->get_poly()->get_group(g);
+        const int64_t n_mask_heads = grp.per_head ? hparams.n_head(grp.layers.front()) : 1;
+        ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32,
+                                                gctx->get_n_kv(), ubatch.n_tokens/n_stream, n_mask_heads, n_stream);
+        inp->head_masks.push_back(grp.per_head ? ginp->self_kq_mask : nullptr);
+        if (grp.per_head) {
+            GGML_ASSERT(n_stream == 1);
+            inp->n_head = (uint32_t) n_mask_heads;
+        }
+        ggml_set_input(ginp->self_kq_mask);
+        ggml_set_name(ginp->self_kq_mask, "attn_inp_kq_mask");
+        ginp->self_kq_mask_cnv = ginp->self_kq_mask;
+        ginp->self_k_rot = gctx->build_input_k_rot(ctx0);
+        ginp->self_v_rot = gctx->build_input_v_rot(ctx0);
+        inp->groups.push_back(std::move(ginp));
+    }
+    return inp;
+}
+
+void llama_polykv_build_scores(
+        ggml_context * ctx0,
+         ggml_cgraph * gf,
+        const llm_graph_input_attn_kv_poly * inp,
+         ggml_tensor * q,
+         ggml_tensor * k,
+         ggml_tensor * k_cur,
+         ggml_tensor * kq_mask,
+               float   kq_scale,
+             int32_t   il) {
+    auto * poly = inp->pctx->get_poly();
+    auto & grp = poly->get_group(poly->group_of(il));
+    const bool record = inp->pctx->is_batch();
+    const int64_t n_tokens = q->ne[2];
+
+    if (grp.needs(LLAMA_POLYKV_KNORM)) {
+        ggml_tensor * kc = ggml_cont(ctx0, k_cur);                              // [d, n_head_kv, n_tokens]
+        ggml_tensor * sq = ggml_sum_rows(ctx0, ggml_sqr(ctx0, kc));             // [1, n_head_kv, n_tokens]
+        ggml_set_output(sq);
+        ggml_build_forward_expand(gf, sq);
+        grp.t_knorm = record ? sq : nullptr;
+    }
+    if (!grp.needs_scores()) {
+        return;
+    }
+
+    // which query rows the patterns read: all (H2O), the observation window (SnapKV), the last (TOVA)
+    int64_t n_rows = 1;
+    if (grp.needs(LLAMA_POLYKV_H2O)) {
+        n_rows = n_tokens;
+    } else {
+        n_rows = std::max<int64_t>(1, grp.ring_size());
+    }
+    n_rows = std::min(n_rows, n_tokens);
+
+    const int64_t n_head = q->ne[1];
+    ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
+    qs = ggml_permute(ctx0, qs, 0, 2, 1, 3);                                   // [d, n_rows, n_head]
+    ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]
+    ggml_tensor * kq = ggml_mul_mat(ctx0, ks, qs);                              // [n_kv, n_rows, n_head]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    ggml_tensor * m = ggml_view_3d(ctx0, kq_mask, kq_mask->ne[0], n_rows, kq_mask->ne[2], kq_mask->nb[1], kq_mask->nb[2],
+                                   (n_tokens - n_rows)*kq_mask->nb[1]);
+    if (!ggml_is_contiguous(m)) {
+        m = ggml_cont(ctx0, m); // a per-head mask: the last rows of every head's slice
+    }
+    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, m, kq_scale, 0.0f);           // [n_kv, n_rows, n_head]
+    p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 2, 0, 3));                     // [n_head, n_kv, n_rows]
+    const int64_t n_kv = p->ne[1];
+    if (grp.head_scores()) {
+        // query head q reads KV head q / (n_head / n_head_kv): average each KV head's query heads
+        const int64_t rk = n_head / grp.n_head_kv;
+        ggml_tensor * ph = ggml_reshape_2d(ctx0, p, rk, grp.n_head_kv * n_kv * n_rows);
+        ph = ggml_sum_rows(ctx0, ph);                                           // [1, n_head_kv*n_kv*n_rows]
+        ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, n_rows);           // [n_head_kv, n_kv, n_rows]
+        ph = ggml_scale(ctx0, ph, 1.0f/rk);
+        ggml_set_output(ph);
+        ggml_build_forward_expand(gf, ph);
+        grp.t_rows_heads = record ? ph : nullptr;
+    }
+    if (grp.layer_scores()) {
+        ggml_tensor * pl = ggml_sum_rows(ctx0, p);                              // [1, n_kv, n_rows]
+        pl = ggml_scale(ctx0, pl, 1.0f/n_head);                                 // mean over query heads
+        ggml_set_output(pl);
+        ggml_build_forward_expand(gf, pl);
+        grp.t_rows = record ? pl : nullptr;
+    }
+}

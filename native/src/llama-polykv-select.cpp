@@ -1,0 +1,543 @@
+// PolyKV: the score state of every group, the selection rules (as polykv_cpp/patterns.py), eviction, and the moves
+// that keep each group's kept tokens in its first cells (per-head repack, exact-mode compaction)
+
+#include "llama-polykv.h"
+
+#include "llama-io.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <numeric>
+#include <stdexcept>
+
+int32_t llama_kv_cache_poly::group::ring_size() const {
+    int32_t w = collect_all ? LLAMA_POLYKV_PORTABLE_OBS_WINDOW : 0;
+    for (int p = 0; p < 2; ++p) {
+        if (phase[p].pattern == LLAMA_POLYKV_SNAPKV || phase[p].pattern == LLAMA_POLYKV_PYRAMIDKV) {
+            w = std::max(w, phase[p].obs_window);
+        }
+    }
+    return w;
+}
+
+void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch) {
+    auto & grp = groups[g];
+    grp.new_cells = cells;
+    for (uint32_t k = 0; k < grp.n_slots(); ++k) {
+        const size_t off = (size_t) k * grp.capacity;
+        for (uint32_t c : cells) {
+            grp.acc[off + c]   = 0.0f;
+            grp.last[off + c]  = 0.0f;
+            grp.knorm[off + c] = 0.0f;
+            for (auto & row : grp.ring) {
+                row[off + c] = 0.0f;
+            }
+        }
+    }
+    if (grp.per_head) {
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            for (size_t i = 0; i < cells.size(); ++i) {
+                grp.hpos[(size_t) h*grp.capacity + cells[i]] = ubatch.pos[i];
+            }
+        }
+    }
+}
+
+// add the attention rows of one graph output to the score state: t is [nh, n_kv, n_rows] (rows[(r*n_kv + j)*nh + h]:
+// attention of query row r to cell j, averaged over the query heads of the layer (nh = 1) or of KV head h), and
+// head h's state lives at off(h)
+template <typename F>
+static void add_rows(llama_kv_cache_poly::group & grp, ggml_tensor * t, int32_t w, F off) {
+    const int64_t nh = t->ne[0];
+    const int64_t n_kv = t->ne[1];
+    const int64_t n_rows = t->ne[2];
+    std::vector<float> rows(nh * n_kv * n_rows);
+    ggml_backend_tensor_get(t, rows.data(), 0, rows.size() * sizeof(float));
+    auto at = [&](int64_t r, int64_t j, int64_t h) { return rows[(r*n_kv + j)*nh + h]; };
+
+    if (grp.needs(LLAMA_POLYKV_H2O)) {
+        for (int64_t h = 0; h < nh; ++h) {
+            float * acc = grp.acc.data() + off(h);
+            for (int64_t r = 0; r < n_rows; ++r) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    acc[j] += at(r, j, h);
+                }
+            }
+        }
+    }
+    if (grp.needs(LLAMA_POLYKV_TOVA)) {
+        for (int64_t h = 0; h < nh; ++h) {
+            float * last = grp.last.data() + off(h);
+            std::fill(last, last + grp.capacity, 0.0f);
+            for (int64_t j = 0; j < n_kv; ++j) {
+                last[j] = at(n_rows - 1, j, h);
+            }
+        }
+    }
+    if (w > 0) {
+        // the ring's rows are shared by the slots: the newest rows go to the end, the layer's and the heads' alike
+        const int64_t r0 = std::max<int64_t>(0, n_rows - w);
+        const size_t n_ring = grp.ring.size();
+        for (int64_t r = r0; r < n_rows; ++r) {
+            float * row = grp.ring[n_ring - (n_rows - r)].data();
+            for (int64_t h = 0; h < nh; ++h) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    row[off(h) + j] = at(r, j, h);
+                }
+            }
+        }
+    }
+}
+
+void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
+    const size_t cap = grp.capacity;
+    if (grp.t_rows || grp.t_rows_heads) {
+        const int32_t w = grp.ring_size();
+        if (w > 0) {
+            // push one zeroed row per new query row (as many as the graph kept), drop the oldest beyond w
+            const int64_t n_rows = (grp.t_rows ? grp.t_rows : grp.t_rows_heads)->ne[2];
+            for (int64_t r = std::max<int64_t>(0, n_rows - w); r < n_rows; ++r) {
+                grp.ring.emplace_back((size_t) grp.n_slots() * cap, 0.0f);
+            }
+            while ((int32_t) grp.ring.size() > w) {
+                grp.ring.erase(grp.ring.begin());
+            }
+        }
+        if (grp.t_rows) {
+            add_rows(grp, grp.t_rows, w, [](int64_t) { return (size_t) 0; });
+        }
+        if (grp.t_rows_heads) {
+            add_rows(grp, grp.t_rows_heads, w, [&](int64_t h) { return grp.head_off((uint32_t) h); });
+        }
+    }
+    if (grp.t_knorm) {
+        const int64_t n_head_kv = grp.t_knorm->ne[1];
+        GGML_ASSERT(grp.t_knorm->ne[2] == (int64_t) n_tokens && grp.new_cells.size() == n_tokens);
+        std::vector<float> norms(n_head_kv * n_tokens);
+        ggml_backend_tensor_get(grp.t_knorm, norms.data(), 0, norms.size() * sizeof(float));
+        for (uint32_t t = 0; t < n_tokens; ++t) {
+            const uint32_t c = grp.new_cells[t];
+            if (grp.head_scores()) {
+                for (int64_t h = 0; h < n_head_kv; ++h) {
+                    grp.knorm[grp.head_off((uint32_t) h) + c] = (float) std::sqrt((double) norms[t*n_head_kv + h]);
+                }
+            }
+            if (grp.layer_scores()) {
+                double s = 0.0;
+                for (int64_t h = 0; h < n_head_kv; ++h) {
+                    s += std::sqrt((double) norms[t*n_head_kv + h]);
+                }
+                grp.knorm[c] = (float) (s / n_head_kv);
+            }
+        }
+    }
+    grp.t_rows  = nullptr;
+    grp.t_rows_heads = nullptr;
+    grp.t_knorm = nullptr;
+}
+
+// as polykv_cpp.patterns._protect: +inf on the last min(window, budget) and the first min(n_sink, budget - w)
+static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, int32_t window) {
+    const int32_t n = sc.size();
+    const int32_t w = std::min({ window, budget, n });
+    const int32_t s = std::min({ n_sink, budget - w, n - w });
+    for (int32_t i = n - w; i < n; ++i) {
+        sc[i] = INFINITY;
+    }
+    for (int32_t i = 0; i < s; ++i) {
+        sc[i] = INFINITY;
+    }
+}
+
+// the cells to drop from one token set: items are (pos, cell) sorted by position, off the state offset of the set
+// (h*capacity for head h of a per-head group, 0 for a layer); keeps the pattern's budget, as the reference
+static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
+                                         const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
+    const int32_t n = items.size();
+    const int32_t b = pp.budget;
+    std::vector<uint32_t> drop;
+    if (n <= b) {
+        return drop;
+    }
+    std::vector<double> sc(n, 0.0);
+    switch (pp.pattern) {
+        case LLAMA_POLYKV_STREAMINGLLM:
+            {
+                const int32_t s = std::min(pp.n_sink, b - 1);
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = i < s ? INFINITY : (double) i;
+                }
+            } break;
+        case LLAMA_POLYKV_H2O:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.acc[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_TOVA:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.last[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_SNAPKV:
+        case LLAMA_POLYKV_PYRAMIDKV:
+            {
+                std::vector<double> raw(n, 0.0);
+                const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
+                for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
+                    for (int32_t i = 0; i < n; ++i) {
+                        raw[i] += grp.ring[r][off + items[i].second];
+                    }
+                }
+                const int32_t h = pp.pool_kernel / 2;
+                for (int32_t i = 0; i < n; ++i) {
+                    double m = -INFINITY;
+                    for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
+                        m = std::max(m, raw[k]);
+                    }
+                    sc[i] = m;
+                }
+                protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
+            } break;
+        case LLAMA_POLYKV_KNORM:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = -grp.knorm[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
+            } break;
+        case LLAMA_POLYKV_FULLKV:
+            return drop;
+    }
+
+    // keep the b highest scores; among ties the more recent token (stable ascending sort, keep the tail)
+    std::vector<int32_t> order(n);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
+    for (int32_t k = 0; k < n - b; ++k) {
+        drop.push_back(items[order[k]].second);
+    }
+    return drop;
+}
+
+void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
+    if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
+        return; // a FullKV sliding-window group behaves exactly as the stock SWA cache (it recycles masked cells)
+    }
+    if (grp.per_head) {
+        const size_t cap = grp.capacity;
+        // sliding window: what the next query cannot see any more leaves every head first (as below)
+        llama_pos p_out = -1;
+        if (grp.is_swa) {
+            llama_pos pos_max = -1;
+            for (llama_pos p : grp.hpos) {
+                pos_max = std::max(pos_max, p);
+            }
+            p_out = pos_max + 2 - (llama_pos) hparams.n_swa;
+        }
+        uint64_t n_drop = 0;
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            std::vector<std::pair<llama_pos, uint32_t>> items;
+            for (uint32_t c = 0; c < cap; ++c) {
+                llama_pos & p = grp.hpos[h*cap + c];
+                if (p >= 0 && p < p_out) {
+                    p = -1;
+                }
+                if (p >= 0) {
+                    items.emplace_back(p, c);
+                }
+            }
+            std::sort(items.begin(), items.end());
+            for (uint32_t c : select_drop(grp, pp, items, grp.head_off(h))) {
+                grp.hpos[h*cap + c] = -1;
+                ++n_drop;
+            }
+        }
+        grp.n_evicted += n_drop / grp.n_head_kv;
+        repack(grp);
+        return;
+    }
+    if (grp.is_swa) {
+        // the budget counts visible tokens: those that left the window are masked for every later query (the
+        // next one is at pos_max + 1 and sees p > pos_max + 1 - n_swa), so free their cells first
+        const llama_pos pos_max = grp.kv->seq_pos_max(0);
+        const llama_pos p_out   = pos_max + 2 - (llama_pos) hparams.n_swa;
+        if (p_out > 0 && grp.kv->seq_pos_min(0) < p_out) {
+            grp.kv->seq_rm(0, 0, p_out);
+        }
+    }
+    const auto & cells = grp.kv->get_cells(0);
+    std::vector<std::pair<llama_pos, uint32_t>> items; // (pos, cell), oldest first
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (!cells.is_empty(i)) {
+            items.emplace_back(cells.pos_get(i), i);
+        }
+    }
+    std::sort(items.begin(), items.end());
+    std::vector<llama_pos> drop;
+    for (uint32_t c : select_drop(grp, pp, items, 0)) {
+        drop.push_back(cells.pos_get(c));
+    }
+    for (llama_pos p : drop) {
+        grp.kv->seq_rm(0, p, p + 1);
+    }
+    grp.n_evicted += drop.size();
+}
+
+// the V storage tensor of a layer (the cache exposes it only through views)
+static ggml_tensor * v_storage(const llama_kv_cache & kv, int32_t il) {
+    ggml_init_params ip = { 4*ggml_tensor_overhead(), nullptr, /*no_alloc*/ true };
+    ggml_context * ctx = ggml_init(ip);
+    llama_kv_cache::slot_info sinfo;
+    sinfo.s0 = 0;
+    sinfo.s1 = 0;
+    sinfo.strm = { 0 };
+    sinfo.idxs = { {} };
+    ggml_tensor * view = kv.get_v(ctx, il, 1, sinfo);
+    ggml_tensor * v = view->view_src ? view->view_src : view;
+    ggml_free(ctx);
+    return v;
+}
+
+void llama_kv_cache_poly::repack(group & grp) {
+    const uint32_t cap = grp.capacity;
+    const uint32_t nh  = grp.n_head_kv;
+
+    uint32_t n_rows = 0; // cells the largest head needs
+    std::vector<uint32_t> count(nh, 0);
+    for (uint32_t h = 0; h < nh; ++h) {
+        for (uint32_t c = 0; c < cap; ++c) {
+            count[h] += grp.hpos[h*cap + c] >= 0;
+        }
+        n_rows = std::max(n_rows, count[h]);
+    }
+
+    // each head fills its holes below n_rows with its tokens from above n_rows
+    struct move { uint32_t h, src, dst; };
+    std::vector<move> moves;
+    uint32_t hi = 0;
+    for (uint32_t h = 0; h < nh; ++h) {
+        uint32_t dst = 0;
+        for (uint32_t src = n_rows; src < cap; ++src) {
+            if (grp.hpos[h*cap + src] < 0) {
+                continue;
+            }
+            while (grp.hpos[h*cap + dst] >= 0) {
+                ++dst;
+            }
+            GGML_ASSERT(dst < n_rows);
+            moves.push_back({ h, src, dst });
+            hi = std::max(hi, src + 1);
+            ++dst;
+        }
+    }
+
+    if (!moves.empty()) {
+        for (int32_t il : grp.layers) {
+            // K (and V without v_trans): one row per cell, head h at h*head_bytes within it
+            ggml_tensor * k = grp.kv->get_k_storage(il);
+            ggml_tensor * v = v_storage(*grp.kv, il);
+            for (ggml_tensor * t : { k, v }) {
+                const bool is_v = t == v;
+                const uint32_t d = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+                if (is_v && v_trans) {
+                    // V transposed: element (cell c, feature j) at c + cap*j; the block of head h is contiguous
+                    const size_t es = ggml_type_size(t->type);
+                    std::vector<uint8_t> blk((size_t) d * cap * es);
+                    for (uint32_t h = 0; h < nh; ++h) {
+                        bool any = false;
+                        for (const auto & m : moves) {
+                            any |= m.h == h;
+                        }
+                        if (!any) {
+                            continue;
+                        }
+                        const size_t off = (size_t) h * d * cap * es;
+                        ggml_backend_tensor_get(t, blk.data(), off, blk.size());
+                        for (const auto & m : moves) {
+                            if (m.h != h) {
+                                continue;
+                            }
+                            for (uint32_t i = 0; i < d; ++i) {
+                                memcpy(&blk[((size_t) i*cap + m.dst)*es], &blk[((size_t) i*cap + m.src)*es], es);
+                            }
+                        }
+                        ggml_backend_tensor_set(t, blk.data(), off, blk.size());
+                    }
+                    continue;
+                }
+                const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
+                const size_t head_bytes = ggml_row_size(t->type, d);
+                std::vector<uint8_t> buf((size_t) hi * row_bytes);
+                ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
+                for (const auto & m : moves) {
+                    memcpy(&buf[m.dst*row_bytes + m.h*head_bytes], &buf[m.src*row_bytes + m.h*head_bytes], head_bytes);
+                }
+                ggml_backend_tensor_set(t, buf.data(), 0, (size_t) n_rows * row_bytes);
+            }
+        }
+        for (const auto & m : moves) {
+            const size_t s = grp.head_off(m.h) + m.src;
+            const size_t t = grp.head_off(m.h) + m.dst;
+            grp.acc[t]   = grp.acc[s];
+            grp.last[t]  = grp.last[s];
+            grp.knorm[t] = grp.knorm[s];
+            for (auto & row : grp.ring) {
+                row[t] = row[s];
+            }
+            grp.hpos[(size_t) m.h*cap + m.dst] = grp.hpos[(size_t) m.h*cap + m.src];
+            grp.hpos[(size_t) m.h*cap + m.src] = -1;
+        }
+    }
+
+    // the stock cell of c carries the newest position any head holds there: it is free only when all heads left
+    // it, and a sliding-window cache may recycle it only when every head's token there is out of the window
+    // (the mask itself comes from hpos, set_input_kq_mask_heads)
+    auto & cells = const_cast<llama_kv_cells &>(grp.kv->get_cells(0));
+    for (uint32_t c = 0; c < cap; ++c) {
+        llama_pos want = -1;
+        for (uint32_t h = 0; h < nh; ++h) {
+            want = std::max(want, grp.hpos[h*cap + c]);
+        }
+        const llama_pos have = cells.is_empty(c) ? -1 : cells.pos_get(c);
+        if (want == have) {
+            continue;
+        }
+        if (have >= 0) {
+            cells.rm(c);
+        }
+        if (want >= 0) {
+            cells.pos_set(c, want);
+            cells.seq_add(c, 0);
+        }
+    }
+}
+
+namespace {
+
+// in-memory llama_io for moving one group's cells through the stock cache's own state format
+class polykv_io_write : public llama_io_write_i {
+public:
+    void write(const void * src, size_t size) override {
+        const uint8_t * p = (const uint8_t *) src;
+        buf.insert(buf.end(), p, p + size);
+    }
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        const size_t n0 = buf.size();
+        buf.resize(n0 + size);
+        ggml_backend_tensor_get(tensor, buf.data() + n0, offset, size);
+    }
+    size_t n_bytes() override { return buf.size(); }
+
+    std::vector<uint8_t> buf;
+};
+
+class polykv_io_read : public llama_io_read_i {
+public:
+    explicit polykv_io_read(const std::vector<uint8_t> & buf) : buf(buf) {}
+    void read(void * dst, size_t size) override {
+        check(size);
+        memcpy(dst, buf.data() + pos, size);
+        pos += size;
+    }
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
+        check(size);
+        ggml_backend_tensor_set(tensor, buf.data() + pos, offset, size);
+        pos += size;
+    }
+    size_t n_bytes() override { return pos; }
+
+private:
+    void check(size_t size) const {
+        if (pos + size > buf.size()) {
+            throw std::runtime_error("PolyKV: compaction read past its buffer");
+        }
+    }
+    const std::vector<uint8_t> & buf;
+    size_t pos = 0;
+};
+
+} // namespace
+
+void llama_kv_cache_poly::compact(group & grp) {
+    struct cell_score {
+        float acc, last, knorm;
+        std::vector<float> ring;
+    };
+    std::map<llama_pos, cell_score> by_pos;
+    {
+        const auto & cells = grp.kv->get_cells(0);
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (cells.is_empty(i)) {
+                continue;
+            }
+            cell_score cs = { grp.acc[i], grp.last[i], grp.knorm[i], {} };
+            for (const auto & row : grp.ring) {
+                cs.ring.push_back(row[i]);
+            }
+            by_pos[cells.pos_get(i)] = std::move(cs);
+        }
+    }
+    // a whole-cache restore of the stock cache puts the cells it reads at cells 0..n-1
+    polykv_io_write w;
+    grp.kv->state_write(w);
+    polykv_io_read r(w.buf);
+    grp.kv->state_read(r);
+
+    std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
+    std::fill(grp.last.begin(), grp.last.end(), 0.0f);
+    std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+    for (auto & row : grp.ring) {
+        std::fill(row.begin(), row.end(), 0.0f);
+    }
+    const auto & cells = grp.kv->get_cells(0);
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (cells.is_empty(i)) {
+            continue;
+        }
+        const auto it = by_pos.find(cells.pos_get(i));
+        GGML_ASSERT(it != by_pos.end());
+        grp.acc[i]   = it->second.acc;
+        grp.last[i]  = it->second.last;
+        grp.knorm[i] = it->second.knorm;
+        for (size_t k = 0; k < grp.ring.size(); ++k) {
+            grp.ring[k][i] = it->second.ring[k];
+        }
+    }
+}
+
+std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il, int32_t head) const {
+    std::vector<llama_pos> res;
+    if (il < 0 || il >= (int32_t) layer_group.size() || layer_group[il] < 0) {
+        return res;
+    }
+    const auto & grp = groups[layer_group[il]];
+    if (grp.per_head) {
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            if (head >= 0 && (uint32_t) head != h) {
+                continue;
+            }
+            for (uint32_t c = 0; c < grp.capacity; ++c) {
+                if (grp.hpos[h*grp.capacity + c] >= 0) {
+                    res.push_back(grp.hpos[h*grp.capacity + c]);
+                }
+            }
+        }
+        std::sort(res.begin(), res.end());
+        res.erase(std::unique(res.begin(), res.end()), res.end());
+        return res;
+    }
+    const auto & cells = grp.kv->get_cells(0);
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        if (!cells.is_empty(i)) {
+            res.push_back(cells.pos_get(i));
+        }
+    }
+    std::sort(res.begin(), res.end());
+    return res;
+}
