@@ -870,7 +870,8 @@ class Evaluator:
                    dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
         try:
             if cfg.prefill == "exact" and cfg.reuse:
-                for s in self.samples:
+                # sample 0 of every task first, then sample 1, ...: partial results cover every task evenly
+                for s in sorted(self.samples, key=lambda s: (s.index, s.length)):
                     self._run_sample_shared(s, [r for r in active if not r.status.startswith("unsupported")], bar)
                     writer.write(self.results(partial=True))
                 active_tasks: list[Run] = []
