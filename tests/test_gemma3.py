@@ -111,3 +111,35 @@ def test_rescaled_plan_gives_sliding_window_layers_at_most_their_window(gemma):
         assert glob == [(1024 * 18 - 512 * 15) // 3] * 3  # 3584 each
         assert all(s.capacity >= 3584 for s in stats if s.layer not in swa)
         assert all(s.capacity <= 512 + 256 for s in stats if s.layer in swa)
+
+
+def test_per_head_selection_with_one_kv_head_is_the_layer_selection(gemma):
+    """Gemma-3-270M has one KV head: per-head selection must keep exactly the per-layer sets, and the per-head
+    masks (sliding-window layers included) must give the same logits as the stock masks.
+
+    The prompt is one ubatch: this Q4_K_M model turns any change of summation order into logit differences of
+    about 1 (stock llama.cpp itself gives logits 1.1 apart for the same 513 tokens fed as 513 or as 512 + 1), and
+    a repack moves cells, so only what does not move is compared bit for bit."""
+    def plan_for(selection):
+        def per_layer(il):
+            b = 128 if (il + 1) % 6 else 96
+            return tuple(phase("snapkv", b, window=16, obs_window=16, pool_kernel=7, selection=selection)
+                         for _ in range(2))
+        return make_plan(18, per_layer)
+
+    with Model(gemma) as model:
+        assert model.n_layer == 18
+        toks = model.tokenize(TEXT)
+        runs = {}
+        for sel in ("layer", "head"):
+            model.set_plan(plan_for(sel))
+            with model.context(n_ctx=2048, n_ubatch=1024, n_batch=1024) as ctx:
+                ctx.decode(toks)
+                assert all(ctx.layer_per_head(il) == (sel == "head") for il in range(model.n_layer))
+                kept = [ctx.kept_positions(il, 0) for il in range(model.n_layer)]
+                stats = [(s.used, s.capacity, s.bytes) for s in ctx.kv_layer_stats()]
+                runs[sel] = (ctx.logits(), kept, stats)
+    np.testing.assert_allclose(runs["head"][0], runs["layer"][0], atol=1e-4)
+    assert runs["head"][1] == runs["layer"][1]
+    assert runs["head"][2] == runs["layer"][2]
+    assert min(len(k) for k in runs["head"][1]) == 96 < len(toks)
