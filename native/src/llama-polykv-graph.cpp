@@ -17,25 +17,26 @@ void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst,
     const uint32_t rk = n_head / grp.n_head_kv;
     const uint32_t cap = grp.capacity;
     const uint32_t n_swa = grp.is_swa ? hparams.n_swa : 0;
-    std::vector<float> row(n_kv);
+    const bool f16 = dst->type == GGML_TYPE_F16;
+    const ggml_fp16_t keep_f16 = ggml_fp32_to_fp16(0.0f);
+    const ggml_fp16_t drop_f16 = ggml_fp32_to_fp16(-INFINITY);
+    const size_t row_bytes = n_kv * (f16 ? sizeof(ggml_fp16_t) : sizeof(float));
+    std::vector<uint8_t> row(row_bytes);
     for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
         for (int64_t i = 0; i < n_tokens; ++i) {
             const llama_pos p1 = ubatch->pos[i];
             for (int64_t j = 0; j < n_kv; ++j) {
                 const llama_pos p0 = j < (int64_t) cap ? grp.hpos[h*cap + j] : -1;
                 const bool visible = p0 >= 0 && p0 <= p1 && (n_swa == 0 || p1 - p0 < (llama_pos) n_swa);
-                row[j] = visible ? 0.0f : -INFINITY;
-            }
-            for (uint32_t q = h*rk; q < (h + 1)*rk; ++q) {
-                char * out = (char *) dst->data + i*dst->nb[1] + q*dst->nb[2];
-                if (dst->type == GGML_TYPE_F16) {
-                    ggml_fp16_t * o = (ggml_fp16_t *) out;
-                    for (int64_t j = 0; j < n_kv; ++j) {
-                        o[j] = ggml_fp32_to_fp16(row[j]);
-                    }
+                if (f16) {
+                    ((ggml_fp16_t *) row.data())[j] = visible ? keep_f16 : drop_f16;
                 } else {
-                    memcpy(out, row.data(), n_kv * sizeof(float));
+                    ((float *) row.data())[j] = visible ? 0.0f : -INFINITY;
                 }
+            }
+            // the query heads of KV head h (q = h*rk .. h*rk + rk - 1) share its row
+            for (uint32_t q = h*rk; q < (h + 1)*rk; ++q) {
+                memcpy((char *) dst->data + i*dst->nb[1] + q*dst->nb[2], row.data(), row_bytes);
             }
         }
     }
