@@ -194,3 +194,17 @@ def test_plans_without_selection_are_unchanged_and_head_roundtrips():
     back = plan_mod.Plan.from_json(head.to_json())
     assert all(lp.prefill.per_head and lp.decode.per_head for lp in back.layers)
     assert plan_mod.uniform_plan(4, "streamingllm", 64, selection="head").layers[0].prefill.selection == "layer"
+
+
+def test_runtime_search_and_eval_name_per_head_variants():
+    from calibration import runtime
+
+    plan = runtime.build(4, ["snapkv", "snapkv-head", "h2o", "tova-head"], [64] * 4, 64, 16)
+    assert [lp.prefill.per_head for lp in plan.layers] == [False, True, False, True]
+    assert [lp.decode.per_head for lp in plan.layers] == [False, True, False, True]
+    assert plan_mod.split_selection("pyramidkv-head") == ("pyramidkv", "head")
+    for bad in ("streamingllm-head", "snapkv-token"):
+        with pytest.raises(PlanError):
+            plan_mod.split_selection(bad)
+    scaled = plan_mod.pyramid_plan(24, 512, selection="head").scaled(256, full_charge=4096)
+    assert all(lp.prefill.per_head for lp in scaled.layers)
