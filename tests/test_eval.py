@@ -705,3 +705,24 @@ def test_eval_suite_script_presets():
     assert mod.expand(["--preset=smoke", "x"]) == ["--quick", "x"]
     with pytest.raises(SystemExit, match="preset"):
         mod.expand(["--preset", "nope"])
+
+
+def test_per_head_baselines_run_beside_the_per_layer_ones(tiny_gguf, tmp_path):
+    """`snapkv-head` is a uniform per-KV-head plan served from the same shared prefill; every cell has an
+    interval; kvpress-check maps it to kvpress's (per-head) SnapKVPress."""
+    from polykv_cpp.evaluation import kvpress_check
+
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "out"), methods=["fullkv", "snapkv", "snapkv-head"],
+                     **{**TINY_BASE, "budgets": [48], "tasks": ["niah_single", "niah_code"], "n_samples": 2,
+                        "ppl_tokens": 8})
+    res = run_eval(cfg, log=lambda m: None)
+    by_m = {r["method"] for r in res["records"]}
+    assert {"snapkv", "snapkv-head"} <= by_m
+    ev = Evaluator(EvalConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "out2")}), log=lambda m: None)
+    ev.setup()
+    ev.model.close()
+    plans = {r.method: r.plan for r in ev.runs}
+    assert plans["snapkv-head"].layers[0].prefill.per_head and not plans["snapkv"].layers[0].prefill.per_head
+    cell = res["summary"]["ruler"]["query-aware"]["600"]["snapkv-head"]["48"]
+    assert cell["ci95"][0] <= cell["avg"] <= cell["ci95"][1]
+    assert kvpress_check.PRESS_OF["snapkv-head"] == "SnapKVPress"
