@@ -345,6 +345,27 @@ void llama_kv_cache_poly::repack(group & grp) {
             for (ggml_tensor * t : { k, v }) {
                 const bool is_v = t == v;
                 const uint32_t d = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+                if (moves.size() <= 16) {
+                    // a few moves (a decode step moves one token per head): copy just those values
+                    const bool trans = is_v && v_trans;
+                    const size_t es = ggml_type_size(t->type);
+                    const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
+                    const size_t head_bytes = ggml_row_size(t->type, d);
+                    std::vector<uint8_t> tmp(trans ? es : head_bytes);
+                    for (const auto & m : moves) {
+                        if (!trans) {
+                            ggml_backend_tensor_get(t, tmp.data(), m.src*row_bytes + m.h*head_bytes, head_bytes);
+                            ggml_backend_tensor_set(t, tmp.data(), m.dst*row_bytes + m.h*head_bytes, head_bytes);
+                            continue;
+                        }
+                        for (uint32_t i = 0; i < d; ++i) {
+                            const size_t j = (size_t) m.h*d + i; // feature j of cell c at c + cap*j
+                            ggml_backend_tensor_get(t, tmp.data(), (j*cap + m.src)*es, es);
+                            ggml_backend_tensor_set(t, tmp.data(), (j*cap + m.dst)*es, es);
+                        }
+                    }
+                    continue;
+                }
                 if (is_v && v_trans) {
                     // V transposed: element (cell c, feature j) at c + cap*j; the block of head h is contiguous
                     const size_t es = ggml_type_size(t->type);
