@@ -17,6 +17,7 @@ very same tokens in two steps. Both parts are tokenized once per sample and shar
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import re
@@ -251,14 +252,9 @@ def _prose_sentences() -> list[str]:
     return out
 
 
-_PROSE: list[str] | None = None
-
-
+@functools.cache
 def prose_sentences() -> list[str]:
-    global _PROSE
-    if _PROSE is None:
-        _PROSE = _prose_sentences()
-    return _PROSE
+    return _prose_sentences()
 
 
 #: pure-Python standard-library modules whose sources make the `code` haystack (code, docstrings, comments)
@@ -290,14 +286,9 @@ def _code_blocks() -> list[str]:
     return out
 
 
-_CODE: list[str] | None = None
-
-
+@functools.cache
 def code_blocks() -> list[str]:
-    global _CODE
-    if _CODE is None:
-        _CODE = _code_blocks()
-    return _CODE
+    return _code_blocks()
 
 
 class Haystack:
