@@ -91,17 +91,33 @@ class LayerStats:
     bytes_fullkv: int
 
 
+def default_gpu_layers() -> int:
+    """``LLAMA_ARG_N_GPU_LAYERS`` (the variable llama.cpp's own tools read), else 0: the CPU."""
+    text = os.environ.get("LLAMA_ARG_N_GPU_LAYERS", "").strip()
+    if not text:
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise NativeError(f"LLAMA_ARG_N_GPU_LAYERS={text!r} is not an integer") from None
+
+
 class Model:
     """A GGUF model loaded by our libllama."""
 
-    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, vocab_only: bool = False,
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int | None = None, vocab_only: bool = False,
                  use_mmap: bool = True):
+        """``n_gpu_layers``: layers offloaded to the GPU (99: all); None reads ``LLAMA_ARG_N_GPU_LAYERS`` as
+        llama.cpp's tools do, else 0. ``LLAMA_ARG_REPACK=0`` and ``LLAMA_ARG_LOAD_MODE=none`` act as in
+        llama.cpp's tools (no CPU weight repacking; no mmap)."""
         self.path = check_gguf_file(path)
         self._lib = _native.load()
         params = self._lib.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+        params.n_gpu_layers = default_gpu_layers() if n_gpu_layers is None else n_gpu_layers
         params.vocab_only = vocab_only
-        if not use_mmap:
+        if os.environ.get("LLAMA_ARG_REPACK", "").strip().lower() in ("0", "false", "off", "no"):
+            params.use_extra_bufts = False  # llama.cpp's --no-repack: no CPU extra buffer types (repack, AMX)
+        if not use_mmap or os.environ.get("LLAMA_ARG_LOAD_MODE", "").strip().lower() == "none":
             params.load_mode = 0
         mark = _native.log_mark()
         self._ptr = self._lib.llama_model_load_from_file(str(self.path).encode(), params)

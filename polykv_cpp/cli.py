@@ -160,7 +160,8 @@ def add_run_parser(sub) -> None:
     p.add_argument("-b", "--batch-size", type=int, default=2048)
     p.add_argument("-ub", "--ubatch-size", type=int, default=512)
     p.add_argument("-t", "--threads", type=int, default=None)
-    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
+                   help="layers offloaded to the GPU (99: all; default: LLAMA_ARG_N_GPU_LAYERS, else 0)")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("-ctk", "--cache-type-k", default="f16")
     p.add_argument("-ctv", "--cache-type-v", default="f16")

@@ -218,3 +218,19 @@ def test_closed_objects_raise(tiny_gguf):
     model.close()
     with pytest.raises(NativeError, match="closed"):
         model.n_layer
+
+
+def test_gpu_layers_default_follows_llama_cpp_environment(monkeypatch, tiny_gguf):
+    """`Model(path)` offloads what LLAMA_ARG_N_GPU_LAYERS says (llama.cpp's tools read it too), else nothing;
+    a value that is not an integer is an error that names the variable."""
+    from polykv_cpp.api import default_gpu_layers
+
+    monkeypatch.delenv("LLAMA_ARG_N_GPU_LAYERS", raising=False)
+    assert default_gpu_layers() == 0
+    monkeypatch.setenv("LLAMA_ARG_N_GPU_LAYERS", "99")
+    assert default_gpu_layers() == 99
+    with Model(tiny_gguf) as model:  # a CPU build runs everything on the CPU whatever the count
+        assert model.n_layer > 0
+    monkeypatch.setenv("LLAMA_ARG_N_GPU_LAYERS", "all")
+    with pytest.raises(NativeError, match="LLAMA_ARG_N_GPU_LAYERS"):
+        Model(tiny_gguf)
