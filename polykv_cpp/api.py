@@ -344,6 +344,10 @@ class Snapshot:
     pending: list[int] = field(default_factory=list)
 
 
+#: KVzip's reconstruction instruction (the paper's wording), fed before the prompt's tokens are repeated
+KVZIP_PREFIX = "\n\nRepeat the previous context exactly.\n\n"
+
+
 class Context:
     """An inference context (KV cache + compute buffers) over a `Model`."""
 
@@ -570,6 +574,42 @@ class Context:
         n = self._lib.llama_polykv_compress_prompt(self.ptr)
         if n < 0:
             raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode())
+        return int(n)
+
+    def compress_prompt_kvzip(self, prompt_tokens: Sequence[int], *, prefix: Sequence[int] | None = None,
+                              chunk: int | None = None) -> int:
+        """KVzip (Kim et al. 2025): score the prompt in the cache by a reconstruction pass, then compress it.
+
+        For plans whose prefill pattern is ``kvzip``, in exact/portable prefill, after the prompt and before the
+        first generated token. The model reads ``prefix`` (default :data:`KVZIP_PREFIX`, "repeat the previous
+        context") and the prompt's tokens again, ``chunk`` tokens at a time after the prompt (default: as many as
+        n_ctx leaves room for); each prompt token keeps the largest attention a reconstruction query gave it; the
+        reconstruction tokens leave the cache after each chunk. The prompt's logits are kept for the next
+        token. Costs about one more prefill of the prompt. Returns the number of cells freed.
+        """
+        tokens = [int(t) for t in prompt_tokens]
+        if self._pending:
+            raise NativeError("compress_prompt_kvzip: a sampled token is pending; call it right after the prompt")
+        if len(tokens) != self._n_past:
+            raise NativeError(f"compress_prompt_kvzip: give the prompt's {self._n_past} tokens (got {len(tokens)})")
+        pre = list(prefix) if prefix is not None else self.model.tokenize(KVZIP_PREFIX, add_special=False)
+        room = self.n_ctx - len(tokens) - len(pre)
+        n_chunk = min(chunk or room, room, len(tokens))
+        if n_chunk < 1:
+            raise NativeError(f"compress_prompt_kvzip: n_ctx {self.n_ctx} leaves no room for a reconstruction chunk "
+                              f"after {len(tokens)} prompt and {len(pre)} prefix tokens")
+        last = self.logits() if self._n_past else None
+        pre_buf = ffi.new("llama_token[]", max(1, len(pre)))
+        pre_buf[0:len(pre)] = pre
+        tok_buf = ffi.new("llama_token[]", max(1, len(tokens)))
+        tok_buf[0:len(tokens)] = tokens
+        mark = _native.log_mark()
+        n = self._lib.llama_polykv_compress_prompt_kvzip(self.ptr, pre_buf, len(pre), tok_buf, len(tokens), n_chunk)
+        if n < 0:
+            detail = _native.log_since(mark)
+            msg = ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace")
+            raise NativeError(msg + (f" ({detail})" if detail else ""))
+        self._restored_logits = last
         return int(n)
 
     def kv_layer_stats(self) -> list[LayerStats]:

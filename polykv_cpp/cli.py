@@ -70,13 +70,26 @@ def cmd_run(args) -> int:
             if not args.no_echo:
                 sys.stdout.write(prompt)
                 sys.stdout.flush()
-            for piece in ctx.generate(tokens, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
+            label = prefill_label(args)
+            gen_input = tokens
+            if any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats()):
+                if args.prefill_mode == "chunked":
+                    print("[polykv-cpp] warning: kvzip layers need --prefill-mode exact (their reconstruction pass "
+                          "scores the whole prompt); with chunked prefill they keep their sinks and the most recent "
+                          "tokens", file=sys.stderr)
+                else:
+                    ctx.decode(tokens)
+                    t_zip = time.perf_counter()
+                    ctx.compress_prompt_kvzip(tokens)
+                    label += f", KVzip reconstruction pass {time.perf_counter() - t_zip:.1f} s"
+                    gen_input = []  # the prompt is in the cache; generation starts from its logits
+            for piece in ctx.generate(gen_input, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
                                       top_p=args.top_p, min_p=args.min_p, seed=args.seed, stream=True):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
             sys.stdout.flush()  # the answer before the summary, also when both streams go to one file
-            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=prefill_label(args))
+            print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=label)
     return 0
 
 

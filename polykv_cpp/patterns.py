@@ -48,7 +48,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
-    "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm",
+    "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm", "KVzip",
     "PATTERNS", "PATTERN_NAMES", "get_pattern", "pattern_from_phase_plan", "keep_topk", "pool1d",
     "reduce_heads", "simulate", "simulate_heads", "SimResult", "softmax_causal",
 ]
@@ -149,8 +149,11 @@ class Pattern:
     name: ClassVar[str] = ""
     needs_attention: ClassVar[bool] = False
     needs_keys: ClassVar[bool] = False
-    #: which attention rows the rule reads: "none", "all" (every query), "window" (last obs_window), "last"
+    #: which attention rows the rule reads: "none", "all" (every query), "window" (last obs_window), "last",
+    #: "reconstruction" (the queries of a KVzip reconstruction pass)
     query_rows: ClassVar[str] = "none"
+    #: scores only a prompt (KVzip): not usable as a decode pattern
+    prefill_only: ClassVar[bool] = False
 
     def scores(self, budget: int, n_key: int, *, attn: np.ndarray | None = None,
                keys: np.ndarray | None = None, acc: np.ndarray | None = None) -> np.ndarray:
@@ -355,9 +358,38 @@ class KNorm(Pattern):
         return _protect(sc, budget, self.n_sink, self.window)
 
 
+@dataclass(frozen=True)
+class KVzip(Pattern):
+    """KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction").
+
+    Query-agnostic: after the prompt, the model reads a "repeat the previous context" instruction followed by
+    the prompt's own tokens again (in chunks, each after the prompt at the same positions); a prompt token's
+    score is the LARGEST attention any of those reconstruction queries gives it (the head-mean probability,
+    as for the other patterns; per KV head, the mean over its query heads), then the ``budget`` highest are
+    kept, with ``n_sink`` (4, as kvpress's KVzipPress) and ``window`` (0) protected. ``attn`` here is the reconstruction
+    queries' attention ``[..., n_head, n_recon, n_key]`` over the prompt keys (softmax over the prompt and the
+    reconstruction tokens before it; :func:`simulate` takes it as ``recon_attn``). The reconstruction tokens
+    never stay in the cache. Prefill only: a decode phase cannot use it. Tokens that arrive after the pass
+    (a question fed after the context) are unscored and kept first. Differences from the paper / kvpress:
+    the mean (not the max) over a KV head's query heads, and no chat template around the instruction.
+    Limits: one extra pass over the prompt (about one more prefill); without it (chunked prefill) a kvzip
+    layer keeps its sinks and its most recent tokens.
+    """
+
+    n_sink: int = 4
+    window: int = 0
+    name: ClassVar[str] = "kvzip"
+    needs_attention: ClassVar[bool] = True
+    query_rows: ClassVar[str] = "reconstruction"
+    prefill_only: ClassVar[bool] = True
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
+        return _protect(reduce_heads(attn).max(axis=-2), budget, self.n_sink, self.window)
+
+
 #: name -> pattern class. Order is the tie-break order when two patterns score the same in calibration.
 PATTERNS: dict[str, type[Pattern]] = {
-    c.name: c for c in (StreamingLLM, H2O, SnapKV, TOVA, PyramidKV, FullKV, KNorm)
+    c.name: c for c in (StreamingLLM, H2O, SnapKV, TOVA, PyramidKV, FullKV, KNorm, KVzip)
 }
 PATTERN_NAMES: tuple[str, ...] = tuple(PATTERNS)
 
@@ -424,13 +456,15 @@ def _as_pattern(p: Pattern | str | None) -> Pattern | None:
 
 def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None, prefill_budget: int,
              decode: Pattern | str | None, decode_budget: int,
-             keys: np.ndarray | None = None) -> SimResult:
+             keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None) -> SimResult:
     """Reference of one layer's cache through a prompt of ``n_prompt`` tokens and then
     ``T - n_prompt`` generated tokens.
 
     ``logits``: attention logits ``[n_head, T, T]`` (``q.k * scale``) for the full sequence; query ``t`` only
     ever sees keys ``<= t``; attention of a decode query is the softmax of its logits over the keys it can
     still see (renormalised over the kept set). ``keys``: ``[n_head_kv, T, head_dim]`` (for ``knorm``).
+    ``recon_attn``: ``[n_head, n_recon, n_prompt]``, the attention of a KVzip reconstruction pass's queries
+    on the prompt keys (for a ``kvzip`` prefill).
 
     1. Prefill (exact mode): full causal attention ``A = softmax_causal(logits[:, :P, :P])``. If ``prefill``
        is None or ``P <= prefill_budget`` nothing is evicted; otherwise ``prefill.select(prefill_budget,
@@ -460,8 +494,14 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
         keys = np.asarray(keys, dtype=np.float64)
 
     A = softmax_causal(logits[:, :P, :P])
+    if dec is not None and dec.prefill_only:
+        raise ValueError(f"{dec.name} is a prefill pattern only")
     if pre is None or P <= prefill_budget:
         kept = np.arange(P)
+    elif pre.query_rows == "reconstruction":
+        if recon_attn is None:
+            raise ValueError(f"{pre.name} needs the reconstruction pass's attention (recon_attn)")
+        kept = pre.select(prefill_budget, attn=np.asarray(recon_attn, dtype=np.float64)[:, :, :P])
     else:
         kept = pre.select(prefill_budget, attn=A, keys=None if keys is None else keys[:, :P])
     m_prompt = A.mean(axis=0)                                   # [P, P]
@@ -504,7 +544,7 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
 
 def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill: Pattern | str | None,
                    prefill_budget: int, decode: Pattern | str | None, decode_budget: int,
-                   keys: np.ndarray | None = None) -> list[SimResult]:
+                   keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None) -> list[SimResult]:
     """Per-head selection: :func:`simulate` for every KV head on its own, one :class:`SimResult` per KV head.
 
     ``logits`` are ``[n_head, T, T]`` over query heads and ``keys`` ``[n_head_kv, T, head_dim]``. KV head ``g``
@@ -521,5 +561,6 @@ def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill
     r = n_head // n_head_kv
     return [simulate(logits[g * r:(g + 1) * r], n_prompt, prefill=prefill, prefill_budget=prefill_budget,
                      decode=decode, decode_budget=decode_budget,
-                     keys=None if keys is None else np.asarray(keys)[g:g + 1])
+                     keys=None if keys is None else np.asarray(keys)[g:g + 1],
+                     recon_attn=None if recon_attn is None else np.asarray(recon_attn)[g * r:(g + 1) * r])
             for g in range(n_head_kv)]

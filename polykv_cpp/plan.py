@@ -47,6 +47,7 @@ __all__ = [
     "GGUF_KEY_PLAN",
     "GGUF_KEY_VERSION",
     "KNOWN_PATTERNS",
+    "PREFILL_ONLY_PATTERNS",
     "FULLKV",
     "PHASES",
     "DEFAULT_PARAMS",
@@ -74,7 +75,7 @@ GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
 
 #: Eviction patterns a plan may name (lower-case). ``polykv_cpp.patterns`` registers one class per name.
-KNOWN_PATTERNS: tuple[str, ...] = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm")
+KNOWN_PATTERNS: tuple[str, ...] = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm", "kvzip")
 FULLKV = "fullkv"
 #: Patterns that score with an observation window (SnapKV scoring); they require ``obs_window``.
 OBS_WINDOW_PATTERNS: tuple[str, ...] = ("snapkv", "pyramidkv")
@@ -83,7 +84,11 @@ PHASES: tuple[str, ...] = ("prefill", "decode")
 SELECTIONS: tuple[str, ...] = ("layer", "head")
 #: Patterns whose selection can differ per head (scored by attention or keys; positional ones are the same
 #: in every head).
-PER_HEAD_PATTERNS: tuple[str, ...] = ("h2o", "snapkv", "tova", "pyramidkv", "knorm")
+PER_HEAD_PATTERNS: tuple[str, ...] = ("h2o", "snapkv", "tova", "pyramidkv", "knorm", "kvzip")
+#: Patterns that score a whole prompt by an extra pass (KVzip): prefill phase only.
+PREFILL_ONLY_PATTERNS: tuple[str, ...] = ("kvzip",)
+#: The decode pattern the plan constructors give a layer whose prefill pattern is prefill-only.
+DECODE_AFTER_PREFILL_ONLY = "snapkv"
 
 #: Parameters the plan constructors fill in when the caller gives none. ``window`` None for StreamingLLM
 #: means "the rest of the budget after the sinks". Validation does not require these values.
@@ -94,6 +99,7 @@ DEFAULT_PARAMS: dict[str, dict[str, int | None]] = {
     "pyramidkv": {"n_sink": 0, "window": 32, "obs_window": 32, "pool_kernel": 7},
     "tova": {"n_sink": 0, "window": 1},
     "knorm": {"n_sink": 0, "window": 1},
+    "kvzip": {"n_sink": 4, "window": 0},
     "fullkv": {},
 }
 
@@ -674,6 +680,9 @@ class Plan:
             pps = self.phase_plans(ph)
             for i, pp in enumerate(pps):
                 _check_phase_static(pp, f"layer {i} {ph}", self.b_min)
+                if ph == "decode" and pp.pattern in PREFILL_ONLY_PATTERNS:
+                    raise PlanError(f"layer {i} decode: {pp.pattern} scores a prompt by a reconstruction pass; it is "
+                                    f"a prefill pattern only (decode with e.g. {DECODE_AFTER_PREFILL_ONLY})")
             budgeted = [i for i, pp in enumerate(pps) if not pp.is_full]
             if not budgeted:
                 continue
@@ -867,8 +876,8 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     """Every layer and both phases use ``pattern`` with ``budget`` tokens (the single-pattern baselines).
 
     ``params`` (n_sink, window, obs_window, pool_kernel) override :data:`DEFAULT_PARAMS` of the pattern.
-    ``decode_pattern`` (default: ``pattern``) lets the decode phase differ, e.g. ``"fullkv"`` for
-    prefill-only compression as in KVCache-Factory. For ``pattern="fullkv"`` pass the context length as
+    ``decode_pattern`` (default: ``pattern``; :data:`DECODE_AFTER_PREFILL_ONLY` after a prefill-only pattern such
+    as kvzip) lets the decode phase differ, e.g. ``"fullkv"`` for prefill-only compression as in KVCache-Factory. For ``pattern="fullkv"`` pass the context length as
     ``budget``: it becomes ``budget_avg`` and ``full_charge``. ``b_min`` defaults to the tokens the patterns
     always keep (``n_sink + window``), so that :meth:`Plan.scaled` keeps a uniform plan uniform.
     ``selection="head"``: each KV head keeps its own ``budget`` tokens (score-based patterns).
@@ -880,7 +889,8 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     pre = _phase(pattern, budget, params, selection)
     if not pre.is_full and pre.reserved > budget:
         raise PlanError(f"{pre.pattern}: n_sink + window = {pre.reserved} exceeds the budget {budget}")
-    dec_name = (decode_pattern or pattern).lower()
+    default_dec = DECODE_AFTER_PREFILL_ONLY if pattern.lower() in PREFILL_ONLY_PATTERNS else pattern
+    dec_name = (decode_pattern or default_dec).lower()
     dec_params = params if dec_name == pattern.lower() else {}
     has_full = pre.is_full or dec_name == FULLKV
     layers = [LayerPlan(i, replace(pre), _phase(dec_name, budget, dec_params, selection)) for i in range(n_layer)]
@@ -930,7 +940,8 @@ def pyramid_plan(n_layer: int, budget: int, *, pattern: str = "pyramidkv", beta:
     else:
         weights = [hi - (hi - lo) * i / (n_layer - 1) for i in range(n_layer)]
     budgets = [w + x for x in largest_remainder(weights, n_layer * (budget - w))]
-    dec_name = (decode_pattern or pattern).lower()
+    default_dec = DECODE_AFTER_PREFILL_ONLY if pattern.lower() in PREFILL_ONLY_PATTERNS else pattern
+    dec_name = (decode_pattern or default_dec).lower()
     dec_params = params if dec_name == pattern.lower() else {}
     layers = []
     for i, b in enumerate(budgets):

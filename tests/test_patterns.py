@@ -15,7 +15,7 @@ def one_hot_rows(n_head, rows):
 
 
 def test_registry_names_match_plan_known_patterns():
-    assert P.PATTERN_NAMES == ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm")
+    assert P.PATTERN_NAMES == ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm", "kvzip")
     try:
         from polykv_cpp import plan
     except ImportError:  # plan.py not there yet
@@ -214,8 +214,11 @@ def test_simulate_budget_bookkeeping_and_rows():
     T, Pn = 16, 10
     logits = _sim_logits(T, seed=2)
     keys = np.random.default_rng(4).normal(size=(1, T, 4))
+    recon = P.softmax_causal(_sim_logits(Pn + 5, seed=3))[:, Pn:, :Pn]   # 5 reconstruction queries
     for name in P.PATTERN_NAMES:
-        r = P.simulate(logits, Pn, prefill=name, prefill_budget=4, decode=name, decode_budget=6, keys=keys)
+        dec = "h2o" if P.PATTERNS[name].prefill_only else name
+        r = P.simulate(logits, Pn, prefill=name, prefill_budget=4, decode=dec, decode_budget=6, keys=keys,
+                       recon_attn=recon)
         if name == "fullkv":
             assert len(r.prefill_kept) == Pn and len(r.decode_kept[-1]) == T
             continue
@@ -299,3 +302,20 @@ def test_sinks_and_windows_inside_budget():
         assert {0, 1, 47, 48, 49} <= set(kept.tolist()), pat
     # windows larger than the budget are clipped to it
     assert P.SnapKV(window=None, obs_window=8).select(5, attn=attn).tolist() == [45, 46, 47, 48, 49]
+
+
+def test_kvzip_keeps_the_tokens_reconstruction_attends_most():
+    """KVzip's score is the largest head-mean attention any reconstruction query gives a token (not the sum):
+    a token one query looks at hard beats a token every query looks at a little."""
+    n_key = 8
+    attn = np.full((2, 3, n_key), 0.05)
+    attn[:, 0, 2] = 0.9            # one reconstruction query looks hard at token 2
+    attn[:, :, 5] = 0.3            # every query looks a little at token 5 (sum 0.9, max 0.3)
+    attn[0, 1, 6] = 0.8            # head 0 only: head mean 0.425
+    kept = P.KVzip(n_sink=1).select(3, attn=attn)
+    assert kept.tolist() == [0, 2, 6]          # the sink, then max 0.9 and 0.425 (token 5's 0.3 loses)
+    assert P.H2O(window=0).select(2, attn=attn).tolist() == [2, 5]
+    with pytest.raises(ValueError, match="recon_attn"):
+        P.simulate(_sim_logits(10), 8, prefill="kvzip", prefill_budget=4, decode=None, decode_budget=4)
+    with pytest.raises(ValueError, match="prefill pattern only"):
+        P.simulate(_sim_logits(10), 8, prefill="snapkv", prefill_budget=4, decode="kvzip", decode_budget=4)

@@ -154,21 +154,26 @@ void llama_polykv_build_scores(
     auto & grp = poly->get_group(poly->group_of(il));
     const bool record = inp->pctx->is_batch();
     const int64_t n_tokens = q->ne[2];
+    // a KVzip reconstruction pass scores only the KVzip layers, with every query row
+    const bool kvzip = poly->kvzip_pass() && record;
+    if (kvzip && !grp.needs(LLAMA_POLYKV_KVZIP)) {
+        return;
+    }
 
-    if (grp.needs(LLAMA_POLYKV_KNORM)) {
+    if (grp.needs(LLAMA_POLYKV_KNORM) && !kvzip) {
         ggml_tensor * kc = ggml_cont(ctx0, k_cur);                              // [d, n_head_kv, n_tokens]
         ggml_tensor * sq = ggml_sum_rows(ctx0, ggml_sqr(ctx0, kc));             // [1, n_head_kv, n_tokens]
         ggml_set_output(sq);
         ggml_build_forward_expand(gf, sq);
         grp.t_knorm = record ? sq : nullptr;
     }
-    if (!grp.needs_scores()) {
+    if (kvzip ? !grp.needs(LLAMA_POLYKV_KVZIP) : !grp.needs_rows()) {
         return;
     }
 
-    // which query rows the patterns read: all (H2O), the observation window (SnapKV), the last (TOVA)
+    // which query rows the patterns read: all (H2O, a KVzip pass), the observation window (SnapKV), the last (TOVA)
     int64_t n_rows = 1;
-    if (grp.needs(LLAMA_POLYKV_H2O)) {
+    if (kvzip || grp.needs(LLAMA_POLYKV_H2O)) {
         n_rows = n_tokens;
     } else {
         n_rows = std::max<int64_t>(1, grp.ring_size());

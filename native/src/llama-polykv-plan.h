@@ -15,6 +15,7 @@ enum llama_polykv_pattern {
     LLAMA_POLYKV_TOVA,
     LLAMA_POLYKV_PYRAMIDKV,
     LLAMA_POLYKV_KNORM,
+    LLAMA_POLYKV_KVZIP,  // prefill only: scored by a reconstruction pass (llama_polykv_compress_prompt_kvzip)
 };
 
 // which unit keeps its own token set: the layer (all its KV heads share one set) or each KV head

@@ -31,6 +31,9 @@ void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & ce
             grp.acc[off + c]   = 0.0f;
             grp.last[off + c]  = 0.0f;
             grp.knorm[off + c] = 0.0f;
+            // KVzip: a token that arrives after the reconstruction pass (a question fed after a compressed
+            // context) was not scored by it: keep it before any scored token
+            grp.zmax[off + c]  = kvzip_active ? 0.0f : INFINITY;
             for (auto & row : grp.ring) {
                 row[off + c] = 0.0f;
             }
@@ -89,6 +92,33 @@ static void add_rows(llama_kv_cache_poly::group & grp, ggml_tensor * t, int32_t 
             }
         }
     }
+}
+
+void llama_kv_cache_poly::read_kvzip(group & grp) {
+    auto fold = [&](ggml_tensor * t, auto off) {
+        const int64_t nh = t->ne[0];
+        const int64_t n_kv = t->ne[1];
+        const int64_t n_rows = t->ne[2];
+        std::vector<float> rows(nh * n_kv * n_rows);
+        ggml_backend_tensor_get(t, rows.data(), 0, rows.size() * sizeof(float));
+        for (int64_t h = 0; h < nh; ++h) {
+            float * z = grp.zmax.data() + off(h);
+            for (int64_t r = 0; r < n_rows; ++r) {
+                for (int64_t j = 0; j < n_kv; ++j) {
+                    z[j] = std::max(z[j], rows[(r*n_kv + j)*nh + h]);
+                }
+            }
+        }
+    };
+    if (grp.t_rows) {
+        fold(grp.t_rows, [](int64_t) { return (size_t) 0; });
+    }
+    if (grp.t_rows_heads) {
+        fold(grp.t_rows_heads, [&](int64_t h) { return grp.head_off((uint32_t) h); });
+    }
+    grp.t_rows  = nullptr;
+    grp.t_rows_heads = nullptr;
+    grp.t_knorm = nullptr;
 }
 
 void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
@@ -203,6 +233,13 @@ static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp,
                     sc[i] = m;
                 }
                 protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
+            } break;
+        case LLAMA_POLYKV_KVZIP:
+            {
+                for (int32_t i = 0; i < n; ++i) {
+                    sc[i] = grp.zmax[off + items[i].second];
+                }
+                protect(sc, b, pp.n_sink, pp.window);
             } break;
         case LLAMA_POLYKV_KNORM:
             {

@@ -215,6 +215,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         grp.acc.assign(n_state, 0.0f);
         grp.last.assign(n_state, 0.0f);
         grp.knorm.assign(n_state, 0.0f);
+        grp.zmax.assign(n_state, 0.0f);
         if (grp.per_head) {
             grp.hpos.assign((size_t) grp.n_head_kv * grp.capacity, -1);
         }
@@ -263,9 +264,11 @@ void llama_kv_cache_poly::clear(bool data) {
         std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
         std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+        std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
         std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
         grp.ring.clear();
     }
+    kvzip_scored = false;
 }
 
 bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
@@ -427,6 +430,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     }
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
+    kvzip_scored = false; // a state carries no reconstruction scores: run the pass after loading it
     for (auto & grp : groups) {
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));
@@ -533,7 +537,7 @@ llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_
 }
 
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
-    if (prompt_pending && ubatch.n_tokens == 1) {
+    if (prompt_pending && ubatch.n_tokens == 1 && !kvzip_active) {
         compress_prompt();
     }
 }
@@ -541,6 +545,7 @@ void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
 uint64_t llama_kv_cache_poly::compress_prompt() {
     uint64_t n_freed = 0;
     for (auto & grp : groups) {
+        warn_kvzip_unscored(grp);
         const uint64_t n0 = grp.n_evicted;
         evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
         n_freed += grp.n_evicted - n0;
@@ -550,6 +555,68 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
     }
     prompt_pending = false;
     return n_freed;
+}
+
+void llama_kv_cache_poly::warn_kvzip_unscored(const group & grp) {
+    if (grp.phase[LLAMA_POLYKV_PHASE_PREFILL].pattern == LLAMA_POLYKV_KVZIP && !kvzip_scored && !kvzip_warned) {
+        LLAMA_LOG_WARN("%s: PolyKV: a kvzip layer compresses a prompt that no reconstruction pass scored (chunked prefill, "
+                       "or no llama_polykv_compress_prompt_kvzip call): it keeps its sinks and its most recent tokens\n", __func__);
+        kvzip_warned = true;
+    }
+}
+
+uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const llama_token * prefix, int32_t n_prefix,
+                                                   const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
+    if (!prefill_exact) {
+        throw std::runtime_error("KVzip scores the whole prompt at once: it needs exact prefill (prefill mode exact or portable)");
+    }
+    const llama_pos n_prompt = seq_pos_max(0) + 1;
+    if (!prompt_pending || n_prompt <= 0) {
+        throw std::runtime_error("KVzip: no uncompressed prompt in the cache (call it after the prompt, before the first decode step)");
+    }
+    if (n_tokens != n_prompt || !tokens || n_prefix < 0 || (n_prefix > 0 && !prefix)) {
+        throw std::runtime_error("KVzip: give the prompt's " + std::to_string(n_prompt) + " tokens (got " + std::to_string(n_tokens) + ")");
+    }
+    if (n_chunk <= 0) {
+        n_chunk = n_tokens;
+    }
+    n_chunk = std::min(n_chunk, n_tokens);
+    if ((uint32_t) (n_prompt + n_prefix + n_chunk) > n_ctx) {
+        throw std::runtime_error("KVzip: the reconstruction of a chunk needs n_ctx >= prompt + prefix + chunk = " +
+                                 std::to_string(n_prompt + n_prefix + n_chunk) + " (n_ctx " + std::to_string(n_ctx) + "); use a smaller chunk");
+    }
+    for (auto & grp : groups) {
+        std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
+    }
+    // each reconstruction sequence (prefix + chunk) goes to llama_decode in pieces of at most n_batch tokens
+    const int32_t n_batch = (int32_t) llama_n_batch(lctx);
+    llama_batch batch = llama_batch_init(n_batch, 0, 1);
+    kvzip_active = true;
+    int32_t rc = 0;
+    for (int32_t c0 = 0; c0 < n_tokens && rc == 0; c0 += n_chunk) {
+        const int32_t n_seq = n_prefix + std::min(n_chunk, n_tokens - c0);
+        for (int32_t i0 = 0; i0 < n_seq && rc == 0; i0 += n_batch) {
+            batch.n_tokens = 0;
+            for (int32_t i = i0; i < std::min(n_seq, i0 + n_batch); ++i) {
+                const int32_t k = batch.n_tokens++;
+                batch.token   [k]    = i < n_prefix ? prefix[i] : tokens[c0 + i - n_prefix];
+                batch.pos     [k]    = n_prompt + i;
+                batch.n_seq_id[k]    = 1;
+                batch.seq_id  [k][0] = 0;
+                batch.logits  [k]    = false;
+            }
+            rc = llama_decode(lctx, batch);
+        }
+        llama_memory_seq_rm(llama_get_memory(lctx), 0, n_prompt, -1);
+    }
+    kvzip_active = false;
+    llama_batch_free(batch);
+    if (rc != 0) {
+        throw std::runtime_error("KVzip: the reconstruction pass failed (llama_decode returned " + std::to_string(rc) + ")");
+    }
+    llama_synchronize(lctx);
+    kvzip_scored = true;
+    return compress_prompt();
 }
 
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
@@ -562,6 +629,12 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         // ubatch); not llama_synchronize(), which would book the whole batch's timing now
         ggml_backend_sched_synchronize(lctx->get_sched());
     }
+    if (kvzip_active) {
+        for (auto & grp : groups) {
+            read_kvzip(grp);
+        }
+        return; // the reconstruction tokens leave the cache after each chunk; nothing is evicted
+    }
     const bool decode = ubatch.n_tokens == 1;
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     for (auto & grp : groups) {
@@ -569,6 +642,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         if (decode) {
             evict(grp, grp.phase[phase]);
         } else if (!prefill_exact) {
+            warn_kvzip_unscored(grp);
             evict(grp, streaming_phase(grp.phase[phase]));
         }
     }
@@ -833,6 +907,22 @@ int64_t llama_polykv_compress_prompt(struct llama_context * ctx) {
     }
     llama_synchronize(ctx); // a compaction reads the cache the last decode wrote
     return (int64_t) poly->compress_prompt();
+}
+
+int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const llama_token * prefix, int32_t n_prefix,
+                                           const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
+    auto * poly = get_poly(ctx);
+    if (!poly) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    try {
+        llama_synchronize(ctx);
+        return (int64_t) poly->compress_prompt_kvzip(ctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+    } catch (const std::exception & e) {
+        set_last_error(e.what());
+        return -1;
+    }
 }
 
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max) {

@@ -61,6 +61,7 @@ public:
         std::vector<float> last;               // TOVA: attention from the last query
         std::vector<float> knorm;              // K-norm: ||k||, the mean over KV heads for layer selection
         std::vector<std::vector<float>> ring;  // SnapKV: the last obs_window query rows
+        std::vector<float> zmax;               // KVzip: the largest attention from a reconstruction query
 
         // graph outputs of the last ubatch (valid until the next graph is computed)
         ggml_tensor * t_rows  = nullptr; // [1, n_kv, n_rows]: attention of the last rows queries, mean over
@@ -80,6 +81,11 @@ public:
         bool collect_all = false; // portable prefill: keep the score state of every pattern
 
         bool needs_scores() const { return collect_all || phase[0].needs_scores() || phase[1].needs_scores(); }
+        // attention rows of the prompt and decode queries (every score pattern but KVzip, whose rows come from
+        // its own reconstruction pass)
+        bool needs_rows() const {
+            return collect_all || (phase[0].needs_scores() && phase[0].pattern != LLAMA_POLYKV_KVZIP) || phase[1].needs_scores();
+        }
         bool needs(llama_polykv_pattern p) const { return collect_all || phase[0].pattern == p || phase[1].pattern == p; }
     };
 
@@ -148,6 +154,14 @@ public:
     // returns the number of cells freed over all groups
     uint64_t compress_prompt();
 
+    // KVzip (exact prefill modes, the prompt not compressed yet): feed prefix + each chunk of the prompt's tokens
+    // after the prompt, record for every prompt token the largest attention a reconstruction query gives it,
+    // remove the reconstruction tokens, then compress the prompt; returns the cells freed. Throws on misuse.
+    uint64_t compress_prompt_kvzip(llama_context * lctx, const llama_token * prefix, int32_t n_prefix,
+                                   const llama_token * tokens, int32_t n_tokens, int32_t n_chunk);
+    // true while the reconstruction pass runs (the graph scores only KVzip layers, nothing is evicted)
+    bool kvzip_pass() const { return kvzip_active; }
+
     // kept positions of a layer (sorted); head >= 0: those of one KV head (per-head selection), head < 0: the
     // union over the heads
     std::vector<llama_pos> kept_positions(int32_t il, int32_t head = -1) const;
@@ -176,6 +190,10 @@ private:
     const float prefill_slack;
     bool prompt_pending = false;
 
+    bool kvzip_active = false; // a reconstruction pass is running
+    bool kvzip_scored = false; // the prompt in the cache was scored by one
+    bool kvzip_warned = false;
+
     bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f; }
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
@@ -184,6 +202,9 @@ private:
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
 
     void read_scores(group & grp, uint32_t n_tokens);
+    // KVzip: fold the rows of a reconstruction ubatch into zmax (max over the rows)
+    void read_kvzip(group & grp);
+    void warn_kvzip_unscored(const group & grp);
     // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
     // kept tokens are spread over n_ctx cells, and attention would still span all of them)
     void compact(group & grp);

@@ -47,10 +47,20 @@ from polykv_cpp.evaluation import scoring, tasks as T
 FULLKV = "fullkv"
 #: uniform single-pattern baselines: one token set per layer, and the per-KV-head variants ("snapkv-head": every
 #: KV head keeps its own budget tokens by its own scores; the papers' own granularity)
-LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv")
-HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv"))
+LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip")
+HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip"))
 BASELINES = LAYER_BASELINES + HEAD_BASELINES
 DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
+#: cells kept free after the longest sample when a method uses KVzip: its reconstruction pass feeds the prompt
+#: again in chunks of (at most) this many tokens after it
+KVZIP_ROOM = 512
+
+
+def uses_kvzip(plan: Any) -> bool:
+    """True if some layer of `plan` compresses its prompt with KVzip (a reconstruction pass must run)."""
+    from polykv_cpp import plan as plan_mod
+
+    return plan is not None and any(lp.prefill.pattern in plan_mod.PREFILL_ONLY_PATTERNS for lp in plan.layers)
 PROTOCOLS = ("query-agnostic", "query-aware")
 PREFILL_MODES = ("exact", "chunked")
 PREFILL_TEXT = {
@@ -444,6 +454,8 @@ class Evaluator:
         need = [p.n_prompt + s.max_new_tokens for s, p in ((s, self.prompts[s.key]) for s in self.samples)]
         need += [L for _, L in self.ppl_units]
         longest = max(need, default=max(cfg.lengths))
+        if any("kvzip" in m for m in cfg.methods) or any(uses_kvzip(p) for p in getattr(self, "plans", {}).values()):
+            longest += KVZIP_ROOM
         self.n_ctx = cfg.n_ctx or int(math.ceil((longest + 1) / 256) * 256)
         if self.n_ctx < longest:
             raise EvalError(f"--ctx-size {self.n_ctx} is below the longest sample ({longest} tokens)")
@@ -656,13 +668,17 @@ class Evaluator:
             elif not share:
                 ctx.clear()
             start = P if share else 0
-            if p == "query-aware":
+            if p == "query-aware" and cfg.prefill == "exact" and uses_kvzip(run.plan):
+                ctx.decode(p1[start:] + p2)
+                self._compress(ctx, run, p1 + p2)
+                pred, n = self._generate(ctx, [], sample)
+            elif p == "query-aware":
                 pred, n = self._generate(ctx, p1[start:] + p2, sample)
             else:
                 if len(p1) > start:
                     ctx.decode(p1[start:])
                 if cfg.prefill == "exact":
-                    ctx.compress_prompt()
+                    self._compress(ctx, run, p1)
                 pred, n = self._generate(ctx, p2, sample)
             self._record(sample, p, run, pred, n, prefix_shared=P if share else 0)
 
@@ -740,10 +756,12 @@ class Evaluator:
                 for p in todo:
                     if p == "query-aware":
                         ctx.restore(s2)  # type: ignore[arg-type]
+                        if uses_kvzip(run.plan):
+                            self._compress(ctx, run, p1 + p2)
                         pred, n = self._generate(ctx, [], sample)
                     else:
                         ctx.restore(s1)  # type: ignore[arg-type]
-                        ctx.compress_prompt()
+                        self._compress(ctx, run, p1)
                         pred, n = self._generate(ctx, p2, sample)
                     self._record(sample, p, run, pred, n, prefill_shared=True)
                 self.reuse["prompt_tokens_reused"] += len(p1) + (len(p2) if "query-aware" in todo else 0)
@@ -753,6 +771,16 @@ class Evaluator:
                 self._kv_info_chunked(run)
             run.info["task_seconds"] = round(run.info.get("task_seconds", 0) + time.time() - t0, 2)
             bar.update(1)
+
+    def _compress(self, ctx, run: Run, prompt_tokens: list[int]) -> None:
+        """Compress the prompt in `ctx` now: by a KVzip reconstruction pass when the plan uses KVzip (its seconds
+        are added to the run's ``kvzip_seconds``), else each layer by its prefill pattern."""
+        if uses_kvzip(run.plan):
+            t0 = time.time()
+            ctx.compress_prompt_kvzip(prompt_tokens, chunk=KVZIP_ROOM)
+            run.info["kvzip_seconds"] = round(run.info.get("kvzip_seconds", 0) + time.time() - t0, 2)
+        else:
+            ctx.compress_prompt()
 
     def _kv_info_chunked(self, run: Run) -> None:
         """KV bytes of `run` as the runtime allocates them (chunked prefill), from a context that decodes nothing."""

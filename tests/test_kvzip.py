@@ -1,0 +1,181 @@
+"""KVzip (`kvzip` prefill pattern, `Context.compress_prompt_kvzip`) against the numpy reference.
+
+The reference takes the attention transformers computes on the same weights for each reconstruction sequence
+(prompt + repeat instruction + one chunk of the prompt): the rows of the instruction and the chunk, over the
+prompt's keys. The native pass feeds the same tokens after the prompt, chunk by chunk, and removes them again;
+the positions each layer (or KV head) keeps after the compression and after each decode step (SnapKV decode)
+equal the reference's, and a plan that keeps everything gives the no-plan logits: the pass leaves no trace.
+"""
+
+import numpy as np
+import pytest
+
+from polykv_cpp import plan as plan_mod
+from polykv_cpp.api import Model
+from polykv_cpp.errors import NativeError, PlanError
+from polykv_cpp.patterns import pattern_from_phase_plan, simulate, simulate_heads
+from test_polykv_native import B_DECODE, B_PREFILL, CFG, N, P, PHASE_PARAMS, hf_reference, tokens, twin  # noqa: F401
+
+torch = pytest.importorskip("torch")
+
+PREFIX = [5, 6, 7]  # a three-token "repeat" instruction of the tiny vocabulary
+CHUNK = 16          # the 40-token prompt is reconstructed in chunks of 16, 16 and 8
+
+
+@pytest.fixture(scope="module")
+def recon_attn(twin, tokens):
+    """Per layer: [n_head, n_recon, P], every chunk's reconstruction queries' attention on the prompt keys."""
+    hf, _ = twin
+    hf.config._attn_implementation = "eager"
+    prompt = tokens[:P]
+    rows = {il: [] for il in range(CFG.n_layer)}
+    for c0 in range(0, P, CHUNK):
+        seq = prompt + PREFIX + prompt[c0:c0 + CHUNK]
+        with torch.no_grad():
+            out = hf(torch.tensor([seq]), output_attentions=True)
+        for il, att in enumerate(out.attentions):
+            rows[il].append(att[0, :, P:, :P].double().numpy())
+    return {il: np.concatenate(r, axis=1) for il, r in rows.items()}
+
+
+def kvzip_plan(il: int, selection: str = "layer", budget: int = B_PREFILL, decode_budget: int = B_DECODE) -> plan_mod.Plan:
+    """Layer il: kvzip prefill, SnapKV decode; the other layer FullKV."""
+    layers = []
+    for j in range(CFG.n_layer):
+        if j == il:
+            pre = plan_mod.PhasePlan("kvzip", budget=budget, n_sink=1, window=2, selection=selection)
+            dec = plan_mod.PhasePlan("snapkv", budget=decode_budget, selection=selection, **PHASE_PARAMS["snapkv"])
+        else:
+            pre, dec = plan_mod.PhasePlan("fullkv"), plan_mod.PhasePlan("fullkv")
+        layers.append(plan_mod.LayerPlan(j, pre, dec))
+    return plan_mod.Plan(version=1, n_layer=CFG.n_layer, budget_avg=budget, b_min=1, budget_rule="test",
+                         layers=layers, exact_total=False).validate()
+
+
+def run_kvzip(path, plan, toks, layer, *, flash_attn="on", n_ubatch=512, chunk=CHUNK):
+    """Kept positions of `layer` per KV head after the KVzip compression and after each decode step; logits."""
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        with model.context(n_ctx=256, n_batch=n_ubatch, n_ubatch=n_ubatch, flash_attn=flash_attn,
+                           type_k="f32", type_v="f32") as ctx:
+            ctx.decode(toks[:P])
+            ctx.compress_prompt_kvzip(toks[:P], prefix=PREFIX, chunk=chunk)
+            heads = range(CFG.n_head_kv)
+            kept = [[ctx.kept_positions(layer, h) for h in heads]]
+            logits = [ctx.logits()]
+            for t in toks[P:]:
+                ctx.decode([t])
+                kept.append([ctx.kept_positions(layer, h) for h in heads])
+                logits.append(ctx.logits())
+    return kept, np.array(logits)
+
+
+def reference(hf_ref, recon, plan, layer):
+    logp, keys = hf_ref[layer]
+    pp = plan.layers[layer]
+    kw = dict(prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
+              decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys, recon_attn=recon[layer])
+    if pp.prefill.selection == "head":
+        return simulate_heads(logp, P, CFG.n_head_kv, **kw)
+    return [simulate(logp, P, **kw)] * CFG.n_head_kv
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+@pytest.mark.parametrize("selection", ["layer", "head"])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_kvzip_kept_positions_equal_reference(twin, tokens, hf_reference, recon_attn, layer, selection, flash_attn):
+    _, path = twin
+    plan = kvzip_plan(layer, selection)
+    kept, _ = run_kvzip(path, plan, tokens, layer, flash_attn=flash_attn)
+    ref = reference(hf_reference, recon_attn, plan, layer)
+    for h in range(CFG.n_head_kv):
+        assert kept[0][h] == ref[h].prefill_kept.tolist(), f"head {h} after the KVzip compression"
+        for step in range(N):
+            assert kept[step + 1][h] == ref[h].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
+
+
+def test_kvzip_scores_differ_from_the_prompt_attention(hf_reference, recon_attn):
+    """The reference itself: the reconstruction pass chooses other tokens than the prompt's own attention
+    (H2O's column sums), so the equality above tests the pass, not a prompt score under another name."""
+    logp, _ = hf_reference[1]
+    kv = simulate(logp, P, prefill="kvzip", prefill_budget=B_PREFILL, decode=None, decode_budget=B_DECODE,
+                  recon_attn=recon_attn[1])
+    h2o = simulate(logp, P, prefill=pattern_from_phase_plan(plan_mod.PhasePlan("h2o", budget=B_PREFILL, window=0)),
+                   prefill_budget=B_PREFILL, decode=None, decode_budget=B_DECODE)
+    assert kv.prefill_kept.tolist() != h2o.prefill_kept.tolist()
+
+
+@pytest.mark.parametrize("n_ubatch", [512, 8])
+def test_kvzip_pass_leaves_no_trace(twin, tokens, n_ubatch):
+    """Budget above the prompt: the pass runs (in ubatches of 8 too) and removes its tokens; every logit after it
+    equals the no-plan run's, the first one included (the prompt's logits are kept across the pass)."""
+    _, path = twin
+    plan = kvzip_plan(1, "head", budget=P + N + 4, decode_budget=P + N + 4)
+    _, got = run_kvzip(path, plan, tokens, 1, n_ubatch=n_ubatch)
+    from test_polykv_native import run_native
+
+    _, want = run_native(path, None, tokens, 1, n_ubatch=n_ubatch)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_question_after_a_kvzip_compression_is_kept(twin, tokens):
+    """Query-agnostic use: the context is compressed by KVzip, then a question (not scored by the pass) is fed
+    and the prompt compressed again at the first answer token: the question stays, context tokens make room."""
+    _, path = twin
+    plan = kvzip_plan(1, "head")
+    q = tokens[P:P + 5]
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        with model.context(n_ctx=256, type_k="f32", type_v="f32") as ctx:
+            ctx.decode(tokens[:P])
+            ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            before = [ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)]
+            ctx.decode(q)
+            ctx.compress_prompt()
+            for h in range(CFG.n_head_kv):
+                kept = ctx.kept_positions(1, h)
+                assert len(kept) == B_PREFILL
+                assert kept[-5:] == list(range(P, P + 5))
+                assert set(kept[:-5]) < set(before[h])
+
+
+def test_kvzip_misuse_is_reported(twin, tokens):
+    _, path = twin
+    with pytest.raises(PlanError, match="prefill pattern only"):
+        plan_mod.uniform_plan(CFG.n_layer, "kvzip", 64, decode_pattern="kvzip")
+    assert plan_mod.uniform_plan(CFG.n_layer, "kvzip", 64).layers[0].decode.pattern == plan_mod.DECODE_AFTER_PREFILL_ONLY
+    bad = kvzip_plan(1).to_json().replace('"snapkv"', '"kvzip"')
+    with Model(path) as model:
+        with pytest.raises(PlanError, match="prefill pattern only"):
+            model.set_plan(bad)
+        model.set_plan(kvzip_plan(1))  # chunked prefill: no whole prompt to score
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(tokens[:P])
+            with pytest.raises(NativeError, match="exact prefill"):
+                ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX)
+        model.set_plan(kvzip_plan(1), prefill="exact")
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(tokens[:P])
+            with pytest.raises(NativeError, match="prompt's 40 tokens"):
+                ctx.compress_prompt_kvzip(tokens[:P - 1], prefix=PREFIX)
+            big_prefix = list(range(3, 3 + ctx.n_ctx - P))  # no room left for a chunk
+            with pytest.raises(NativeError, match="no room"):
+                ctx.compress_prompt_kvzip(tokens[:P], prefix=big_prefix)
+
+
+def test_run_command_runs_the_reconstruction_pass(tmp_path, twin, cli_exe):
+    """`polykv-cpp run --prefill-mode exact` with a kvzip plan scores the prompt by the pass and says so; with
+    the default chunked prefill it warns that kvzip layers fall back to their sinks and recent tokens."""
+    from conftest import run_cli
+
+    _, path = twin
+    plan_path = tmp_path / "kvzip.json"
+    plan_path.write_text(kvzip_plan(1, "head").to_json())
+    prompt = " ".join(["the and to of a in is it you that he was for on are as with his they at be"] * 3)
+    r = run_cli(cli_exe, "run", path, "--plan", plan_path, "--prefill-mode", "exact", "-p", prompt, "-n", "4",
+                "--no-echo", "-c", "512")
+    assert r.returncode == 0, r.stderr
+    assert "exact prefill, KVzip reconstruction pass" in r.stderr
+    r = run_cli(cli_exe, "run", path, "--plan", plan_path, "-p", prompt, "-n", "4", "--no-echo", "-c", "512")
+    assert r.returncode == 0, r.stderr
+    assert "kvzip layers need --prefill-mode exact" in r.stderr
