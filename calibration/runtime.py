@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polykv_cpp.errors import CalibrationError
+from polykv_cpp.evaluation.runner import KVZIP_ROOM, uses_kvzip
 
 DEFAULT_SAMPLES = 4
 DEFAULT_MIN_GAIN = 0.01
@@ -136,7 +137,7 @@ def _portable_fullkv(model, n_ctx: int, n_batch: int, n_threads: int | None):
 
 
 def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, seed: int,
-               protocols: Sequence[str], n_threads: int | None, progress: bool
+               protocols: Sequence[str], n_threads: int | None, progress: bool, room: int = 0
                ) -> tuple[list[CalibrationItem], int]:
     """Synthetic long-context tasks (the generators of ``polykv-cpp eval``, another seed) with the model's
     own FullKV answer as continuation, and the n_ctx their snapshots need. query-aware: the whole prompt is
@@ -150,7 +151,7 @@ def task_items(model, *, tasks: Sequence[str], length: int, n_per_task: int, see
     samples = T.generate_ruler(tasks, [length], n_per_task, seed, lambda s: builder.count(s) + s.max_new_tokens,
                                stop_at_newline=builder.chat.name == "none")
     prompts = [builder.build(s, max_prompt=s.length - s.max_new_tokens) for s in samples]
-    n_ctx = _ctx_for(max(p.n_prompt + s.max_new_tokens for s, p in zip(samples, prompts)))
+    n_ctx = _ctx_for(max(p.n_prompt + s.max_new_tokens for s, p in zip(samples, prompts)) + room)
     items: list[CalibrationItem] = []
     it = list(zip(samples, prompts))
     if progress:
@@ -191,11 +192,11 @@ class _Measure:
     """Contexts prefilled once (portable) and the FullKV reference of their continuations."""
 
     def __init__(self, model, items: list[CalibrationItem], n_threads: int | None, progress: bool,
-                 n_ctx: int | None = None):
+                 n_ctx: int | None = None, room: int = 0):
         self.model = model
         self.n_layer = model.n_layer
         T = max(len(i.context) + len(i.continuation) for i in items)
-        self.n_ctx = n_ctx or _ctx_for(T)
+        self.n_ctx = n_ctx or _ctx_for(T + room)  # room: cells a KVzip reconstruction chunk needs
         self.n_batch = max(512, max(len(i.continuation) for i in items))
         self.n_threads = n_threads
         self.n_measured = 0
@@ -229,7 +230,10 @@ class _Measure:
                                 n_threads=self.n_threads) as ctx:
             for snap, item, ref in self.items:
                 ctx.restore(snap)
-                ctx.compress_prompt()
+                if uses_kvzip(plan):
+                    ctx.compress_prompt_kvzip(item.context, chunk=KVZIP_ROOM)
+                else:
+                    ctx.compress_prompt()
                 lp = self._logprobs(ctx, item)
                 kl += float(np.mean(np.sum(np.exp(ref) * (ref - lp), axis=-1, dtype=np.float64)))
                 top1 += float(np.mean(lp.argmax(axis=-1) != ref.argmax(axis=-1)))
@@ -288,6 +292,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
     if bad or not patterns:
         raise CalibrationError(f"runtime calibration patterns must be budgeted patterns or their per-head variants "
                                f"(e.g. snapkv-head; got {bad or 'none'})")
+    # a KVzip candidate reconstructs each prompt after it: leave its chunk room in every context
+    room = KVZIP_ROOM if any(plan_mod.split_selection(p)[0] in plan_mod.PREFILL_ONLY_PATTERNS for p in patterns) else 0
     from_tasks = dataset == TASKS_DATASET
     objective = objective or ("top1" if from_tasks else "kl")
     if objective not in OBJECTIVES:
@@ -323,7 +329,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                 f"{samples} sample(s) x {len(tasks)} task(s) x {ctx} tokens (seed {task_seed}), "
                 f"{', '.join(protocols)}, patterns {', '.join(patterns)}")
             items, items_n_ctx = task_items(model, tasks=tasks, length=ctx, n_per_task=samples, seed=task_seed,
-                                            protocols=protocols, n_threads=n_threads, progress=progress)
+                                            protocols=protocols, n_threads=n_threads, progress=progress, room=room)
             description = {"dataset": TASKS_DATASET, "tasks": tasks, "protocols": list(protocols), "ctx": ctx,
                            "n_samples": samples, "seed": task_seed, "n_items": len(items),
                            "continuation": "the model's FullKV answer"}
@@ -336,7 +342,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                 f"{samples} samples x {ctx} tokens (continuation {n_cont}), patterns {', '.join(patterns)}")
             items, items_n_ctx = text_items(data.samples, n_cont), None
             description = data.description
-        m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx)
+        m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx, room=room)
         n_total = len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
         bar = None
         if progress:

@@ -476,3 +476,20 @@ def test_snapshot_restores_the_logits_and_generation_goes_on(twin, tokens, tempe
             with pytest.raises(ValueError):
                 ctx2.clear()
                 next(ctx2.generate_tokens([], max_tokens=1))
+
+
+def test_sequence_end_survives_evicting_the_newest_token_everywhere(twin, tokens):
+    """H2O without a recent window can drop the token just fed from every layer; the sequence still ends there:
+    pos_max stays at the last position fed, and the next token is accepted at the next position."""
+    _, path = twin
+    plan = plan_mod.uniform_plan(CFG.n_layer, "h2o", 8, window=0, n_sink=0, b_min=1)
+    dropped_everywhere = 0
+    with Model(path) as model:
+        model.set_plan(plan)
+        with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
+            ctx.decode(tokens[:16])
+            for i, t in enumerate(tokens[16:], start=16):
+                ctx.decode([t])
+                assert ctx.pos_max() == i
+                dropped_everywhere += all(i not in ctx.kept_positions(il) for il in range(CFG.n_layer))
+    assert dropped_everywhere > 0  # the case this test is about happened

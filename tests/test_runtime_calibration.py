@@ -148,3 +148,22 @@ def test_runtime_calibration_on_tasks(tiny_gguf, tmp_path):
 def test_cli_tasks_dataset_needs_the_runtime_method(cli_exe, tiny_gguf):
     r = run_cli(cli_exe, "calibrate", "--gguf", tiny_gguf, "--dataset", "tasks", "-q")
     assert r.returncode == 2 and "--method runtime" in r.stderr
+
+
+def test_search_measures_kvzip_with_its_reconstruction_pass(tiny_gguf):
+    """A kvzip candidate is measured after its reconstruction pass: its loss differs from the same plan
+    compressed without one (where kvzip layers keep only sinks and recent tokens), and the search leaves room
+    for the pass in every context."""
+    from calibration.data import generated_texts, pack
+    from polykv_cpp.evaluation.runner import KVZIP_ROOM
+
+    with Model(tiny_gguf) as model:
+        samples = pack(generated_texts(0, n=8, words=400), lambda t: model.tokenize(t, add_special=False),
+                       ctx=256, n_samples=2)
+        m = _Measure(model, text_items(samples, 16), None, False, room=KVZIP_ROOM)
+        assert m.n_ctx >= 256 + KVZIP_ROOM
+        zipped = build(2, ["kvzip", "kvzip-head"], [48, 48], 48, 32)
+        assert [lp.decode.pattern for lp in zipped.layers] == [plan_mod.DECODE_AFTER_PREFILL_ONLY] * 2
+        recent = build(2, ["streamingllm", "streamingllm"], [48, 48], 48, 32)
+        kz, kr = m.kl(zipped), m.kl(recent)
+        assert kz > 1e-4 and kz != pytest.approx(kr, rel=1e-3)

@@ -24,6 +24,9 @@ int32_t llama_kv_cache_poly::group::ring_size() const {
 
 void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch) {
     auto & grp = groups[g];
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        pos_next = std::max(pos_next, ubatch.pos[i] + 1);
+    }
     grp.new_cells = cells;
     for (uint32_t k = 0; k < grp.n_slots(); ++k) {
         const size_t off = (size_t) k * grp.capacity;

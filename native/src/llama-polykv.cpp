@@ -269,10 +269,14 @@ void llama_kv_cache_poly::clear(bool data) {
         grp.ring.clear();
     }
     kvzip_scored = false;
+    pos_next = 0;
 }
 
 bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
     bool res = true;
+    if (p1 < 0 || p1 >= pos_next) {
+        pos_next = std::min(pos_next, std::max<llama_pos>(p0, 0)); // the tail is gone: the sequence ends at p0
+    }
     for (auto & grp : groups) {
         if (grp.per_head && seq_id <= 0) {
             // the stock cells carry one label per cell; what each head holds is in hpos
@@ -324,7 +328,7 @@ llama_pos llama_kv_cache_poly::seq_pos_min(llama_seq_id seq_id) const {
 }
 
 llama_pos llama_kv_cache_poly::seq_pos_max(llama_seq_id seq_id) const {
-    llama_pos res = -1;
+    llama_pos res = seq_id <= 0 ? pos_next - 1 : -1;
     for (const auto & grp : groups) {
         res = std::max(res, grp.kv->seq_pos_max(seq_id));
     }
@@ -431,6 +435,8 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
     kvzip_scored = false; // a state carries no reconstruction scores: run the pass after loading it
+    pos_next = 0;
+    pos_next = seq_pos_max(0) + 1; // the newest token the state holds (the state does not record the logical end)
     for (auto & grp : groups) {
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));

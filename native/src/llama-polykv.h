@@ -190,6 +190,10 @@ private:
     const float prefill_slack;
     bool prompt_pending = false;
 
+    // 1 + the newest position fed (the sequence's logical end): eviction may drop that token from every layer,
+    // but the next token still comes at pos_next, so seq_pos_max reports it; seq_rm and clear move it back
+    llama_pos pos_next = 0;
+
     bool kvzip_active = false; // a reconstruction pass is running
     bool kvzip_scored = false; // the prompt in the cache was scored by one
     bool kvzip_warned = false;
