@@ -143,3 +143,45 @@ def test_per_head_selection_with_one_kv_head_is_the_layer_selection(gemma):
     assert runs["head"][1] == runs["layer"][1]
     assert runs["head"][2] == runs["layer"][2]
     assert min(len(k) for k in runs["head"][1]) == 96 < len(toks)
+
+
+def test_kvzip_on_sliding_window_layers(gemma):
+    """KVzip's reconstruction pass on gemma3: per head (one KV head) keeps exactly the per-layer sets, a
+    sliding-window layer keeps only tokens its next query can see, and the global layers keep the needle's tokens
+    (the reconstruction queries read them back) where the same plan without a pass (chunked prefill: sinks and
+    the most recent tokens) keeps none of them."""
+    def plan_for(selection):
+        def per_layer(il):
+            b = 128 if (il + 1) % 6 else 96
+            return (phase("kvzip", b, n_sink=4, window=0, selection=selection),
+                    phase("snapkv", b, window=16, obs_window=16, pool_kernel=7, selection=selection))
+        return make_plan(18, per_layer)
+
+    with Model(gemma) as model:
+        toks = model.tokenize(TEXT)
+        needle = model.tokenize(" 4817", add_special=False)
+        at = next(i for i in range(len(toks)) if toks[i:i + len(needle)] == needle)
+        needle_pos = set(range(at, at + len(needle)))
+        windows = model.attention_windows()
+        kept = {}
+        for sel in ("layer", "head"):
+            model.set_plan(plan_for(sel), prefill="exact")
+            with model.context(n_ctx=2048, n_ubatch=512, n_batch=512) as ctx:
+                ctx.decode(toks)
+                assert ctx.compress_prompt_kvzip(toks) > 0
+                kept[sel] = [ctx.kept_positions(il, 0) for il in range(model.n_layer)]
+                assert ctx.pos_max() == len(toks) - 1  # the reconstruction tokens are gone
+        model.set_plan(plan_for("layer"))
+        with model.context(n_ctx=2048, n_ubatch=512, n_batch=512) as ctx:
+            ctx.decode(toks)
+            unscored = [ctx.kept_positions(il) for il in range(model.n_layer)]
+    assert kept["head"] == kept["layer"]
+    glob = [il for il in range(18) if windows[il] is None]
+    assert len(glob) == 3
+    for il, k in enumerate(kept["layer"]):
+        if windows[il]:
+            assert min(k) > len(toks) - windows[il] - 1, f"layer {il} keeps tokens its window hides"
+        else:
+            assert len(k) == 96
+    assert all(needle_pos & set(kept["layer"][il]) for il in glob)
+    assert not any(needle_pos & set(unscored[il]) for il in glob)
