@@ -326,7 +326,7 @@ class Model:
 
     def _set_native_plan(self, text: str, kv_budget: int) -> None:
         if self._lib.llama_polykv_set_model_plan(self.ptr, text.encode(), kv_budget) != 0:
-            raise PlanError(ffi.string(self._lib.llama_polykv_last_error()).decode())
+            raise PlanError(ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace"))
 
     def is_eog(self, token: int) -> bool:
         return bool(self._lib.llama_vocab_is_eog(self._vocab, token))
@@ -573,7 +573,7 @@ class Context:
         Returns the number of cells freed."""
         n = self._lib.llama_polykv_compress_prompt(self.ptr)
         if n < 0:
-            raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode())
+            raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace"))
         return int(n)
 
     def compress_prompt_kvzip(self, prompt_tokens: Sequence[int], *, prefix: Sequence[int] | None = None,

@@ -234,3 +234,31 @@ def test_gpu_layers_default_follows_llama_cpp_environment(monkeypatch, tiny_gguf
     monkeypatch.setenv("LLAMA_ARG_N_GPU_LAYERS", "all")
     with pytest.raises(NativeError, match="LLAMA_ARG_N_GPU_LAYERS"):
         Model(tiny_gguf)
+
+
+def test_native_plan_errors_are_text_even_when_the_input_is_cut_inside_a_character(tiny_gguf):
+    """The JSON parser's error message quotes the bytes it read last, which can end inside a multi-byte UTF-8
+    character: the message stays valid text (PlanError, not UnicodeDecodeError), and it is this thread's own."""
+    import threading
+
+    from polykv_cpp.errors import PlanError
+
+    with Model(tiny_gguf) as model:
+        for text in ('{"version": 1, "n_layer": \u00e9\u00e9}', '{"v": "\u20ac', '\u00e9'):
+            with pytest.raises(PlanError) as e:
+                model._set_native_plan(text, 0)
+            assert "invalid plan" in str(e.value)
+        errors = {}
+
+        def fail(tag, text):
+            try:
+                model._set_native_plan(text, 0)
+            except PlanError as err:
+                errors[tag] = str(err)
+
+        threads = [threading.Thread(target=fail, args=(i, '{"version": %d}' % (2 + i))) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(f"version {2 + i}" in errors[i] for i in range(4)), errors

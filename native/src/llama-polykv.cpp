@@ -38,11 +38,36 @@ static std::map<const llama_model *, polykv_override> g_overrides;
 static std::map<const llama_model *, int32_t> g_prefill_mode;
 static std::map<const llama_model *, float> g_prefill_slack;
 
-static std::string g_last_error;
+// the last error of the calling thread: a caller reads it right after its own failing call, and another thread's
+// error never replaces it, nor frees the string it reads
+static thread_local std::string g_last_error;
+
+// a message that is valid UTF-8: the JSON parser's "last read" excerpt can end inside a multi-byte character;
+// each byte that does not start a complete sequence becomes '?'
+static std::string utf8_valid(const std::string & s) {
+    std::string out;
+    out.reserve(s.size());
+    size_t i = 0;
+    while (i < s.size()) {
+        const unsigned char c = s[i];
+        const size_t n = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+        bool ok = n > 0 && i + n <= s.size();
+        for (size_t k = 1; ok && k < n; ++k) {
+            ok = ((unsigned char) s[i + k] >> 6) == 0x2;
+        }
+        if (ok) {
+            out.append(s, i, n);
+            i += n;
+        } else {
+            out.push_back('?');
+            i += 1;
+        }
+    }
+    return out;
+}
 
 static void set_last_error(const std::string & msg) {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    g_last_error = msg;
+    g_last_error = utf8_valid(msg);
 }
 
 static std::string model_meta_str(const llama_model & model, const char * key) {
@@ -827,7 +852,6 @@ const char * llama_polykv_llama_commit(void) {
 }
 
 const char * llama_polykv_last_error(void) {
-    std::lock_guard<std::mutex> lock(g_mutex);
     return g_last_error.c_str();
 }
 
