@@ -452,9 +452,11 @@ class Context:
         return ffi.buffer(buf, n)[:]
 
     def load_state_bytes(self, data: bytes) -> None:
+        mark = _native.log_mark()
         n = self._lib.llama_state_set_data(self.ptr, data, len(data))
         if n == 0:
-            raise NativeError("failed to restore the context state")
+            detail = _native.log_since(mark)
+            raise NativeError("failed to restore the context state" + (f": {detail}" if detail else ""))
         self._n_past = self.pos_max() + 1
 
     # ---- evaluation -------------------------------------------------------------------------------------

@@ -493,3 +493,28 @@ def test_sequence_end_survives_evicting_the_newest_token_everywhere(twin, tokens
                 assert ctx.pos_max() == i
                 dropped_everywhere += all(i not in ctx.kept_positions(il) for il in range(CFG.n_layer))
     assert dropped_everywhere > 0  # the case this test is about happened
+
+
+def test_state_of_another_plan_with_more_score_rows_is_refused(twin, tokens):
+    """Same cache sizes, but the saved plan's SnapKV window kept 6 query rows and this plan's keeps 3: loading it
+    is an error that says so (before, it loaded silently; a crafted row count could size any allocation)."""
+    _, path = twin
+    plans = []
+    for w in (6, 3):
+        params = dict(PHASE_PARAMS["snapkv"], obs_window=w)
+        layers = [plan_mod.LayerPlan(il, plan_mod.PhasePlan("snapkv", budget=B_PREFILL, **params),
+                                     plan_mod.PhasePlan("snapkv", budget=B_DECODE, **params))
+                  for il in range(CFG.n_layer)]
+        plans.append(plan_mod.Plan(version=1, n_layer=CFG.n_layer, budget_avg=B_PREFILL, b_min=1,
+                                   budget_rule="test", layers=layers, exact_total=False))
+    with Model(path) as model:
+        model.set_plan(plans[0])
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(tokens[:P])
+            state = ctx.state_bytes()
+            cap = ctx.kv_layer_stats()[0].capacity
+        model.set_plan(plans[1])
+        with model.context(n_ctx=256) as ctx:
+            assert ctx.kv_layer_stats()[0].capacity == cap
+            with pytest.raises(NativeError, match="score rows"):
+                ctx.load_state_bytes(state)

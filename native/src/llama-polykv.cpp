@@ -460,9 +460,8 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
     kvzip_scored = false; // a state carries no reconstruction scores: run the pass after loading it
-    pos_next = 0;
-    pos_next = seq_pos_max(0) + 1; // the newest token the state holds (the state does not record the logical end)
-    for (auto & grp : groups) {
+    for (uint32_t g = 0; g < groups.size(); ++g) {
+        auto & grp = groups[g];
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));
         if (cap != grp.capacity) {
@@ -481,6 +480,14 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
         uint32_t n_ring  = 0;
         io.read(&n_cells, sizeof(n_cells));
         io.read(&n_ring,  sizeof(n_ring));
+        // a state of this context's plan holds at most its cells and its observation window of rows; anything
+        // larger is another plan's state or a damaged file, and must not size an allocation
+        if (n_cells > grp.capacity || n_ring > (uint32_t) std::max(grp.ring_size(), 0)) {
+            throw std::runtime_error("PolyKV state: group " + std::to_string(g) + " holds " + std::to_string(n_cells) +
+                                     " cells and " + std::to_string(n_ring) + " score rows, this context at most " +
+                                     std::to_string(grp.capacity) + " and " + std::to_string(std::max(grp.ring_size(), 0)) +
+                                     " (a state of another plan, or a damaged file)");
+        }
         std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
         std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
@@ -557,6 +564,9 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
             }
         }
     }
+    // the newest token the state holds (the state does not record the logical end of the sequence)
+    pos_next = 0;
+    pos_next = seq_pos_max(0) + 1;
 }
 
 llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_phase_plan & pp) const {
