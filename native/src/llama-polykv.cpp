@@ -718,7 +718,12 @@ bool llama_kv_cache_poly_context::apply() {
     }
     // lazy slotting: the cells freed by the eviction after the previous ubatch are reused now
     const auto & ubatch = ubatches[i_cur];
-    kv->before_ubatch(ubatch);
+    try {
+        kv->before_ubatch(ubatch); // may compress the prompt (exact modes); no exception may leave llama_decode
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("%s: PolyKV: compressing the prompt failed: %s\n", __func__, e.what());
+        return false;
+    }
     group_ctxs.clear();
     for (uint32_t g = 0; g < kv->n_groups(); ++g) {
         auto & grp = kv->get_group(g);
@@ -842,11 +847,18 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     return mem;
 }
 
-void llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch) {
+bool llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch) {
     auto * poly = dynamic_cast<llama_kv_cache_poly *>(mem);
-    if (poly) {
-        poly->after_ubatch(lctx, ubatch);
+    if (!poly) {
+        return true;
     }
+    try {
+        poly->after_ubatch(lctx, ubatch);
+    } catch (const std::exception & e) { // no exception may leave llama_decode (a C function)
+        LLAMA_LOG_ERROR("%s: PolyKV: evicting after a ubatch failed: %s\n", __func__, e.what());
+        return false;
+    }
+    return true;
 }
 
 //

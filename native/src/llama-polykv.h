@@ -315,5 +315,6 @@ void llama_polykv_build_scores(
 // llama_model_free: forget the plan settings of a model (its address may be reused by the next model)
 void llama_polykv_forget_model(const llama_model * model);
 
-// llama_context::decode, after each computed ubatch
-void llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch);
+// llama_context::decode, after each computed ubatch; false (logged) if eviction failed: decode then fails as a
+// failed graph computation does (-3)
+bool llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch);
