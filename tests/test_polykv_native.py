@@ -518,3 +518,24 @@ def test_state_of_another_plan_with_more_score_rows_is_refused(twin, tokens):
             assert ctx.kv_layer_stats()[0].capacity == cap
             with pytest.raises(NativeError, match="score rows"):
                 ctx.load_state_bytes(state)
+
+
+def test_env_plan_applies_only_to_models_of_its_layer_count(twin, tmp_path, monkeypatch):
+    """LLAMA_POLYKV_PLAN reaches every model a process loads: a draft or embedding model of another depth runs
+    without it (with a log line) instead of failing its context; an explicit plan of the wrong depth is still an
+    error."""
+    from tiny_models import write_tiny_gguf
+
+    _, path = twin
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(one_layer_plan(1, "snapkv").to_json())
+    monkeypatch.setenv("LLAMA_POLYKV_PLAN", str(plan_file))
+    other = write_tiny_gguf(tmp_path / "three.gguf", TinyConfig(n_layer=3), seed=1)
+    with Model(path) as model, model.context(n_ctx=256) as ctx:
+        assert ctx.polykv_active
+    with Model(other) as model:
+        with model.context(n_ctx=256) as ctx:
+            assert not ctx.polykv_active
+            ctx.decode(list(range(3, 20)))
+        with pytest.raises(PlanError, match="layers"):
+            model.set_plan(one_layer_plan(1, "snapkv"))

@@ -784,6 +784,13 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         throw std::runtime_error("PolyKV: invalid plan (" + source + "): " + err);
     }
     const auto & hparams = model.hparams;
+    if (plan.n_layer != (int32_t) hparams.n_layer() && source.rfind("file ", 0) == 0) {
+        // LLAMA_POLYKV_PLAN reaches every model of the process (a speculative draft, an embedding model): it
+        // applies to the models it was made for
+        LLAMA_LOG_WARN("%s: PolyKV: LLAMA_POLYKV_PLAN is a plan for %d layers; this model (%s) has %u: it runs without a plan\n",
+                       __func__, plan.n_layer, llm_arch_name(model.arch), hparams.n_layer());
+        return nullptr;
+    }
     if (plan.n_layer != (int32_t) hparams.n_layer()) {
         throw std::runtime_error("PolyKV: the plan is for " + std::to_string(plan.n_layer) + " layers but the model has " +
                                  std::to_string(hparams.n_layer()));
