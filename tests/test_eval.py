@@ -726,3 +726,32 @@ def test_per_head_baselines_run_beside_the_per_layer_ones(tiny_gguf, tmp_path):
     cell = res["summary"]["ruler"]["query-aware"]["600"]["snapkv-head"]["48"]
     assert cell["ci95"][0] <= cell["avg"] <= cell["ci95"][1]
     assert kvpress_check.PRESS_OF["snapkv-head"] == "SnapKVPress"
+
+
+def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
+    """scripts/paired_diff.py: a method that answers every prompt the base answers plus two more differs by a
+    positive amount whose paired interval excludes 0; a copy of the base ties at exactly 0."""
+    import importlib.util
+    import json as _json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "paired_diff", Path(__file__).resolve().parent.parent / "scripts" / "paired_diff.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    records = []
+    for task in ("a", "b"):
+        for i in range(6):
+            base = float(i % 3 == 0)
+            for method, budget, score in (("fullkv", None, 1.0), ("snapkv", 64, base), ("copy", 64, base),
+                                          ("better", 64, 1.0 if i < 4 else base)):
+                records.append({"kind": "ruler", "task": task, "length": 1024, "index": i,
+                                "protocol": "query-aware", "method": method, "budget": budget, "score": score})
+    path = tmp_path / "results.json"
+    path.write_text(_json.dumps({"records": records}))
+    assert mod.main([str(path), "--base", "snapkv"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "+0.0 [+0.0, +0.0]" in rows["copy"]
+    better = rows["better"].split("|")[3].strip()
+    lo = float(better.split("[")[1].split(",")[0])
+    assert better.startswith("+33.3") and lo > 0

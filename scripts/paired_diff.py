@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Paired differences between methods of one `polykv-cpp eval` run, with bootstrap 95% intervals.
+
+For every method at the base method's budget: the difference of task-averaged scores (method - base) and the
+share of the base's gap to FullKV it recovers, each with the paired, task-stratified bootstrap interval of
+`polykv_cpp.evaluation.report.bootstrap_task_average` (the same draw of prompts for every method). A difference
+whose interval holds 0 is a tie.
+
+    python scripts/paired_diff.py results/eval-qwen-4k-10samples/results.json --base snapkv
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from polykv_cpp.evaluation.report import bootstrap_task_average, interval
+
+
+def method_scores(records: list[dict], protocol: str) -> dict[str, dict[str, dict[tuple, float]]]:
+    """``method@budget -> task -> (length, index) -> score`` of the RULER records of one protocol."""
+    scores: dict[str, dict[str, dict[tuple, float]]] = {}
+    for r in records:
+        if r.get("kind", "ruler") != "ruler" or r.get("protocol") != protocol or r.get("score") is None:
+            continue
+        key = r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
+        scores.setdefault(key, {}).setdefault(r["task"], {})[(r["length"], r["index"])] = r["score"]
+    return scores
+
+
+def task_average(by_task: dict[str, dict[tuple, float]]) -> float:
+    """The score (0-100) the report gives a method: the mean over tasks of its mean over their samples."""
+    return 100 * float(np.mean([np.mean(list(v.values())) for v in by_task.values()]))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("results", help="results.json of polykv-cpp eval")
+    p.add_argument("--base", default="snapkv", help="the method the others are compared with (default snapkv)")
+    p.add_argument("--protocol", default="query-aware")
+    args = p.parse_args(argv)
+    scores = method_scores(json.load(open(args.results))["records"], args.protocol)
+    reps = bootstrap_task_average(scores)
+    full = reps.get("fullkv")
+    if full is None:
+        raise SystemExit("paired_diff: the run has no fullkv results")
+    bases = [m for m in reps if m.split("@")[0] == args.base]
+    if not bases:
+        raise SystemExit(f"paired_diff: no results of {args.base!r} ({args.protocol})")
+    print(f"| method - {args.base} | budget | difference [95% CI] | gap recovered [95% CI] |")
+    print("|---|---:|---:|---:|")
+    for base in bases:
+        budget = base.split("@")[1]
+        for m in sorted(reps):
+            if m == base or not m.endswith(f"@{budget}"):
+                continue
+            diff = reps[m] - reps[base]
+            gap = diff / (full - reps[base])
+            point = task_average(scores[m]) - task_average(scores[base])
+            point_gap = point / (task_average(scores["fullkv"]) - task_average(scores[base]))
+            (d0, d1), (g0, g1) = interval(diff), interval(gap)
+            print(f"| {m.split('@')[0]} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
+                  f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
