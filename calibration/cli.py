@@ -81,7 +81,7 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         n_cont=args.n_cont, patterns=_csv(args.patterns), b_min=args.b_min, dataset=args.dataset, seed=args.seed,
         text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
         protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
-        budget_moves=not args.no_budget_moves,
+        budget_moves=not args.no_budget_moves, budgets_from_scores=args.budgets_from_scores,
         min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet)
     print(res.plan.summary())
     what = {"kl": "KL vs FullKV", "top1": "top-1 misses vs FullKV"}[res.objective]
@@ -146,6 +146,10 @@ def register_cli(subparsers: Any) -> None:
     g.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
                    help=f"keep a change when it lowers the KL by more than this fraction (default {DEFAULT_MIN_GAIN})")
     g.add_argument("--no-budget-moves", action="store_true", help="search patterns only (uniform budgets)")
+    g.add_argument("--budgets-from-scores", action="store_true",
+                   help="before the search, give each layer the share of the best uniform pattern's top-scored "
+                        "(head, token) pairs under one model-wide threshold (KVzip's / Ada-KV's global rule), "
+                        "kept if the loss does not rise")
     g.add_argument("--tasks", default=None, metavar="LIST",
                    help="with --dataset tasks: comma list of the eval's synthetic tasks (default: all)")
     g.add_argument("--objective", default=None, choices=list(OBJECTIVES),

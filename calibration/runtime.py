@@ -243,6 +243,39 @@ class _Measure:
     def kl(self, plan) -> float:
         return self.measure(plan)["kl"]
 
+    def score_shares(self, pattern: str, budget: int) -> np.ndarray:
+        """Per layer, the share of the kept (head, token) pairs that one threshold over the whole model gives it.
+
+        Each calibration context is compressed by ``pattern`` with room for all of it (nothing evicted), every
+        layer's and KV head's scores are read (`Context.kept_scores`), and the ``n_layer x n_head_kv x budget``
+        highest-scored pairs of the whole model are kept: KVzip's and Ada-KV's global rule, which kvpress applies
+        per context. A layer's share is its part of those pairs, averaged over the contexts. Sliding-window
+        layers are left out (their share is 0; their window bounds them)."""
+        windows = self.model.attention_windows()
+        whole = max(len(i.context) for _, i, _ in self.items)
+        plan = build(self.n_layer, [pattern] * self.n_layer, [min(whole, w or whole) for w in windows], whole,
+                     min(whole, 64))
+        self.model.set_plan(plan, prefill="portable")
+        shares = np.zeros(self.n_layer)
+        with self.model.context(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=512,
+                                n_threads=self.n_threads) as ctx:
+            n_head = self.model.n_head_kv
+            for snap, item, _ in self.items:
+                ctx.restore(snap)
+                if uses_kvzip(plan):
+                    ctx.compress_prompt_kvzip(item.context, chunk=KVZIP_ROOM)
+                else:
+                    ctx.compress_prompt()
+                layers = [il for il in range(self.n_layer) if not windows[il]]
+                sc = {il: np.stack([ctx.kept_scores(il, h) for h in range(n_head)]) for il in layers}
+                pool = np.concatenate([sc[il].ravel() for il in layers])
+                k = min(len(pool), len(layers) * n_head * budget)
+                thr = np.partition(pool, len(pool) - k)[len(pool) - k]
+                kept = np.array([float((sc[il] >= thr).sum()) if il in sc else 0.0 for il in range(self.n_layer)])
+                shares += kept / kept.sum()
+        self.n_measured += 1
+        return shares / len(self.items)
+
 
 def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget: int, b_min: int,
           provenance=None, rule: str = "search"):
@@ -265,7 +298,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                       seed: int = 0, text_field: str = "text", split: str = "train",
                       tasks: Sequence[str] | None = None, protocols: Sequence[str] = ("query-aware",),
                       objective: str | None = None,
-                      budget_moves: bool = True,
+                      budget_moves: bool = True, budgets_from_scores: bool = False,
                       min_gain: float = DEFAULT_MIN_GAIN, plan_out: str | Path | None = None,
                       n_threads: int | None = None, progress: bool = True,
                       log: Callable[[str], None] | None = None) -> RuntimeCalibration:
@@ -310,8 +343,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         n_cont = 0  # the continuation is each task's FullKV answer
     elif n_cont < 2 or n_cont >= ctx // 2:
         raise CalibrationError(f"--n-cont must be in [2, ctx/2) (got {n_cont})")
-    reserved = max(plan_mod.uniform_plan(1, plan_mod.split_selection(p)[0], budget).layers[0].prefill.reserved
-                   for p in patterns)
+    reserved = max(max(lp.prefill.reserved, lp.decode.reserved) for lp in
+                   (plan_mod.uniform_plan(1, plan_mod.split_selection(p)[0], budget).layers[0] for p in patterns))
     b_min = b_min if b_min is not None else min(budget, max(budget // 4, reserved))
     if not reserved <= b_min <= budget:
         raise CalibrationError(f"b_min {b_min} must be within [{reserved}, {budget}] (sinks + windows of the "
@@ -343,7 +376,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             items, items_n_ctx = text_items(data.samples, n_cont), None
             description = data.description
         m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx, room=room)
-        n_total = len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
+        n_total = (len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
+                   + (1 if budgets_from_scores else 0))
         bar = None
         if progress:
             from tqdm import tqdm
@@ -364,6 +398,17 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         best = min(uniform, key=uniform.get)  # type: ignore[arg-type]
         pats, buds, cur = [best] * n_layer, start, uniform[best]
         steps.append(SearchStep(f"start: uniform {best}", cur, True))
+        if budgets_from_scores:
+            # the global rule of KVzip / Ada-KV, learned once: each layer's budget follows its share of the
+            # model's best-scored (head, token) pairs on the calibration contexts
+            shares = m.score_shares(best, budget)
+            weights = np.maximum(shares * n_layer * budget - b_min, 0.0)
+            cand_b = plan_mod.allocate_budgets(n_layer * budget, list(weights), b_min, windows)
+            loss = measure(pats, cand_b, "budgets from scores")
+            ok = loss <= cur
+            steps.append(SearchStep(f"budgets from {best}'s scores: {cand_b}", loss, ok))
+            if ok:
+                buds, cur = cand_b, loss
         for il in range(n_layer):
             for p in patterns:
                 if p == pats[il]:
@@ -396,7 +441,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             model=info, calibration={**description, "method": "runtime", "n_cont": n_cont},
             signals=[f"{objective}_runtime"],
             extra={"objective": objective, "loss_uniform": uniform, "loss_plan": cur, "plans_measured": m.n_measured,
-                   "accepted": [s.what for s in steps if s.accepted]})
+                   "accepted": [s.what for s in steps if s.accepted], "budgets_from_scores": budgets_from_scores})
         plan = build(n_layer, pats, buds, budget, b_min, provenance=prov)
 
     res = RuntimeCalibration(plan=plan, out=None, objective=objective, loss_uniform=uniform, loss_plan=cur,

@@ -272,6 +272,20 @@ class Model:
                 return ffi.buffer(buf, n)[:].decode("utf-8", "replace")
             size = n
 
+    def kvzip_prefix(self) -> list[int]:
+        """Tokens of KVzip's reconstruction prefix: :data:`KVZIP_INSTRUCTION`, then the end of the user's turn
+        and the assistant's header of the model's chat template, so that the model reads the repeated context
+        as its own answer (as kvpress's KVzipPress builds it); :data:`KVZIP_PREFIX` for a model without a chat
+        template llama.cpp knows."""
+        marker = "\x1fpolykv-kvzip\x1f"
+        try:
+            turn = self.chat_prompt([("user", marker)])
+        except PolyKVError:
+            return self.tokenize(KVZIP_PREFIX, add_special=False, parse_special=False)
+        header = turn.split(marker, 1)[1]
+        return (self.tokenize(KVZIP_INSTRUCTION, add_special=False, parse_special=False)
+                + self.tokenize(header, add_special=False, parse_special=True))
+
     # ---- PolyKV plan ----------------------------------------------------------------------------------
     def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked",
                  prefill_slack: float = 1.0) -> None:
@@ -344,8 +358,11 @@ class Snapshot:
     pending: list[int] = field(default_factory=list)
 
 
-#: KVzip's reconstruction instruction (the paper's wording), fed before the prompt's tokens are repeated
-KVZIP_PREFIX = "\n\nRepeat the previous context exactly.\n\n"
+#: KVzip's reconstruction instruction (the paper's and kvpress's wording), fed before the prompt's tokens are
+#: repeated; `Model.kvzip_prefix()` closes it with the chat template's assistant header
+KVZIP_INSTRUCTION = "\n\nRepeat the previous context exactly."
+#: the prefix of a model without a chat template
+KVZIP_PREFIX = KVZIP_INSTRUCTION + "\n\n"
 
 
 class Context:
@@ -583,9 +600,10 @@ class Context:
         """KVzip (Kim et al. 2025): score the prompt in the cache by a reconstruction pass, then compress it.
 
         For plans whose prefill pattern is ``kvzip``, in exact/portable prefill, after the prompt and before the
-        first generated token. The model reads ``prefix`` (default :data:`KVZIP_PREFIX`, "repeat the previous
-        context") and the prompt's tokens again, ``chunk`` tokens at a time after the prompt (default: as many as
-        n_ctx leaves room for); each prompt token keeps the largest attention a reconstruction query gave it; the
+        first generated token. The model reads ``prefix`` (default: `Model.kvzip_prefix()`, "repeat the previous
+        context" and the assistant's header) and the prompt's tokens again, ``chunk`` tokens at a time after the
+        prompt (default: as many as n_ctx leaves room for; a chunk after the first starts with the 8 tokens
+        before it); each prompt token keeps the largest attention a reconstruction query gave it; the
         reconstruction tokens leave the cache after each chunk. The prompt's logits are kept for the next
         token. Costs about one more prefill of the prompt. Returns the number of cells freed.
         """
@@ -594,7 +612,7 @@ class Context:
             raise NativeError("compress_prompt_kvzip: a sampled token is pending; call it right after the prompt")
         if len(tokens) != self._n_past:
             raise NativeError(f"compress_prompt_kvzip: give the prompt's {self._n_past} tokens (got {len(tokens)})")
-        pre = list(prefix) if prefix is not None else self.model.tokenize(KVZIP_PREFIX, add_special=False)
+        pre = list(prefix) if prefix is not None else self.model.kvzip_prefix()
         room = self.n_ctx - len(tokens) - len(pre)
         n_chunk = min(chunk or room, room, len(tokens))
         if n_chunk < 1:
@@ -649,6 +667,22 @@ class Context:
         else:
             self._lib.llama_polykv_get_kept_positions_head(self.ptr, layer, head, buf, n)
         return list(buf[0:n])
+
+    def kept_scores(self, layer: int, head: int | None = None) -> np.ndarray:
+        """The score layer `layer`'s prefill pattern ranks each kept token by, in the order of
+        `kept_positions(layer, head)` (float32): H2O's accumulated attention, SnapKV's pooled window attention,
+        TOVA's last row, KVzip's reconstruction maximum, minus the key norm for K-norm; before sinks and windows
+        are protected. ``head``: one KV head's scores (per-head layers, and every layer of a portable context);
+        None: the layer's. Raises where the layer keeps no such scores."""
+        h = -1 if head is None else int(head)
+        n = self._lib.llama_polykv_get_kept_scores(self.ptr, layer, h, ffi.NULL, 0)
+        if n < 0:
+            if not self.polykv_active:
+                raise NativeError("no PolyKV plan is active in this context")
+            raise NativeError(f"layer {layer} keeps no {'layer' if head is None else f'head {head}'} scores")
+        buf = ffi.new("float[]", max(n, 1))
+        self._lib.llama_polykv_get_kept_scores(self.ptr, layer, h, buf, n)
+        return np.frombuffer(ffi.buffer(buf, 4 * n), dtype=np.float32).copy()
 
     def layer_per_head(self, layer: int) -> bool:
         """True if layer `layer` keeps one token set per KV head (a plan phase with ``selection: head``)."""

@@ -363,15 +363,17 @@ class KVzip(Pattern):
     """KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction").
 
     Query-agnostic: after the prompt, the model reads a "repeat the previous context" instruction followed by
-    the prompt's own tokens again (in chunks, each after the prompt at the same positions); a prompt token's
-    score is the LARGEST attention any of those reconstruction queries gives it (the head-mean probability,
-    as for the other patterns; per KV head, the mean over its query heads), then the ``budget`` highest are
+    the prompt's own tokens again (in chunks, each after the prompt at the same positions; a chunk after the
+    first starts with the 8 tokens before it); a prompt token's score is the LARGEST probability any
+    reconstruction query of any query head gives it (per KV head: of its own query heads; the paper and
+    kvpress take the same max over queries and grouped heads), then the ``budget`` highest are
     kept, with ``n_sink`` (4, as kvpress's KVzipPress) and ``window`` (0) protected. ``attn`` here is the reconstruction
     queries' attention ``[..., n_head, n_recon, n_key]`` over the prompt keys (softmax over the prompt and the
     reconstruction tokens before it; :func:`simulate` takes it as ``recon_attn``). The reconstruction tokens
     never stay in the cache. Prefill only: a decode phase cannot use it. Tokens that arrive after the pass
-    (a question fed after the context) are unscored and kept first. Differences from the paper / kvpress:
-    the mean (not the max) over a KV head's query heads, and no chat template around the instruction.
+    (a question fed after the context) are unscored and kept first. Differences from kvpress: budgets are
+    the plan's, per layer (kvpress ranks every (layer, head, token) against one threshold, which a cache of
+    fixed per-layer sizes cannot follow), and the softmax spans the whole prompt, not only the chunk.
     Limits: one extra pass over the prompt (about one more prefill); without it (chunked prefill) a kvzip
     layer keeps its sinks and its most recent tokens.
     """
@@ -384,7 +386,10 @@ class KVzip(Pattern):
     prefill_only: ClassVar[bool] = True
 
     def scores(self, budget, n_key, *, attn=None, keys=None, acc=None):
-        return _protect(reduce_heads(attn).max(axis=-2), budget, self.n_sink, self.window)
+        attn = np.asarray(attn, dtype=np.float64)
+        if attn.ndim < 3:
+            raise ValueError("attention must be [..., n_head, n_query, n_key]")
+        return _protect(attn.max(axis=(-3, -2)), budget, self.n_sink, self.window)
 
 
 #: name -> pattern class. Order is the tie-break order when two patterns score the same in calibration.

@@ -1,7 +1,7 @@
 """KVzip (`kvzip` prefill pattern, `Context.compress_prompt_kvzip`) against the numpy reference.
 
 The reference takes the attention transformers computes on the same weights for each reconstruction sequence
-(prompt + repeat instruction + one chunk of the prompt): the rows of the instruction and the chunk, over the
+(prompt + repeat instruction + the 8 tokens before the chunk + one chunk of the prompt): the rows of the instruction and the chunk, over the
 prompt's keys. The native pass feeds the same tokens after the prompt, chunk by chunk, and removes them again;
 the positions each layer (or KV head) keeps after the compression and after each decode step (SnapKV decode)
 equal the reference's, and a plan that keeps everything gives the no-plan logits: the pass leaves no trace.
@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 PREFIX = [5, 6, 7]  # a three-token "repeat" instruction of the tiny vocabulary
 CHUNK = 16          # the 40-token prompt is reconstructed in chunks of 16, 16 and 8
+OVERLAP = 8         # each chunk after the first starts with the 8 prompt tokens before it
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,8 @@ def recon_attn(twin, tokens):
     prompt = tokens[:P]
     rows = {il: [] for il in range(CFG.n_layer)}
     for c0 in range(0, P, CHUNK):
-        seq = prompt + PREFIX + prompt[c0:c0 + CHUNK]
+        overlap = prompt[max(0, c0 - OVERLAP):c0]  # a later chunk starts with the tokens before it
+        seq = prompt + PREFIX + overlap + prompt[c0:c0 + CHUNK]
         with torch.no_grad():
             out = hf(torch.tensor([seq]), output_attentions=True)
         for il, att in enumerate(out.attentions):
@@ -92,6 +94,43 @@ def test_kvzip_kept_positions_equal_reference(twin, tokens, hf_reference, recon_
         assert kept[0][h] == ref[h].prefill_kept.tolist(), f"head {h} after the KVzip compression"
         for step in range(N):
             assert kept[step + 1][h] == ref[h].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
+
+
+@pytest.mark.parametrize("selection", ["layer", "head"])
+def test_kvzip_scores_equal_the_reference_maximum(twin, tokens, recon_attn, selection):
+    """`Context.kept_scores`: with room for the whole prompt, each token's score is the largest probability any
+    reconstruction query of the layer's (or the KV head's) query heads gave it, as transformers computes it."""
+    _, path = twin
+    plan = kvzip_plan(1, selection, budget=P + N, decode_budget=P + N)
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        # flash attention off: its f16 softmax in layer 0 moves layer 1's probabilities by about 1e-3
+        with model.context(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off") as ctx:
+            ctx.decode(tokens[:P])
+            ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            assert ctx.kept_positions(1) == list(range(P))
+            r = CFG.n_head // CFG.n_head_kv
+            if selection == "layer":
+                np.testing.assert_allclose(ctx.kept_scores(1), recon_attn[1].max(axis=(0, 1)), rtol=1e-4, atol=1e-6)
+                with pytest.raises(NativeError, match="keeps no head 0 scores"):
+                    ctx.kept_scores(1, 0)
+            else:
+                for h in range(CFG.n_head_kv):
+                    want = recon_attn[1][h * r:(h + 1) * r].max(axis=(0, 1))
+                    np.testing.assert_allclose(ctx.kept_scores(1, h), want, rtol=1e-4, atol=1e-6)
+                with pytest.raises(NativeError, match="keeps no layer scores"):
+                    ctx.kept_scores(1)
+            assert len(ctx.kept_scores(0)) == len(ctx.kept_positions(0)) == P  # FullKV layer: positions, no scores
+            assert not np.any(ctx.kept_scores(0))
+
+
+@pytest.mark.slow
+def test_kvzip_prefix_closes_the_user_turn(default_model):
+    """The default reconstruction prefix of a chat model: the instruction, then its template's end of the user
+    turn and assistant header (kvpress's KVzipPress builds it the same way)."""
+    with Model(default_model) as model:
+        text = model.detokenize(model.kvzip_prefix(), unparse_special=True)
+    assert text == "\n\nRepeat the previous context exactly.<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_kvzip_scores_differ_from_the_prompt_attention(hf_reference, recon_attn):

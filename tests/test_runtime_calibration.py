@@ -167,3 +167,41 @@ def test_search_measures_kvzip_with_its_reconstruction_pass(tiny_gguf):
         recent = build(2, ["streamingllm", "streamingllm"], [48, 48], 48, 32)
         kz, kr = m.kl(zipped), m.kl(recent)
         assert kz > 1e-4 and kz != pytest.approx(kr, rel=1e-3)
+
+
+def test_score_shares_follow_one_model_wide_threshold(tiny_gguf):
+    """`--budgets-from-scores`: each layer's share of the model's top-scored (head, token) pairs, from the scores
+    the runtime ranks by. Checked against the same threshold applied by hand to `Context.kept_scores` of an
+    independent exact-prefill context; a budget that keeps every pair gives every layer the same share."""
+    from calibration.data import generated_texts, pack
+
+    with Model(tiny_gguf) as model:
+        samples = pack(generated_texts(1, n=8, words=400), lambda t: model.tokenize(t, add_special=False),
+                       ctx=200, n_samples=1)
+        items = text_items(samples, 16)
+        m = _Measure(model, items, None, False)
+        P, L, H = len(items[0].context), model.n_layer, model.n_head_kv
+        shares = m.score_shares("h2o-head", 24)
+        assert shares.sum() == pytest.approx(1.0) and (shares >= 0).all()
+        assert m.score_shares("h2o-head", P) == pytest.approx(np.full(L, 1 / L))
+
+        model.set_plan(build(L, ["h2o-head"] * L, [P] * L, P, 32), prefill="exact")
+        with model.context(n_ctx=m.n_ctx) as ctx:
+            ctx.decode(items[0].context)
+            ctx.compress_prompt()
+            sc = np.stack([[ctx.kept_scores(il, h) for h in range(H)] for il in range(L)])
+        assert sc.shape == (L, H, P)
+        thr = np.sort(sc.ravel())[-L * H * 24]
+        want = (sc >= thr).sum(axis=(1, 2)) / (sc >= thr).sum()
+        assert shares == pytest.approx(want, abs=1e-6)
+        assert not np.allclose(want, 1 / L)  # the layers really differ: the test can tell a wrong split
+
+
+def test_runtime_calibration_budgets_from_scores(tiny_gguf):
+    res = runtime_calibrate(tiny_gguf, None, budget=48, samples=2, ctx=256, n_cont=16, patterns=("h2o-head",),
+                            budget_moves=False, budgets_from_scores=True, progress=False, log=lambda m: None)
+    assert any(s.what.startswith("budgets from h2o-head's scores") for s in res.steps)
+    buds = [lp.prefill.budget for lp in res.plan.layers]
+    assert sum(buds) == 2 * 48 and min(buds) >= res.plan.b_min
+    assert res.plan.provenance.extra["budgets_from_scores"] is True
+    assert res.loss_plan <= res.loss_uniform["h2o-head"]

@@ -184,39 +184,28 @@ static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, in
     }
 }
 
-// the cells to drop from one token set: items are (pos, cell) sorted by position, off the state offset of the set
-// (h*capacity for head h of a per-head group, 0 for a layer); keeps the pattern's budget, as the reference
-static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
-                                         const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
+// the score each token of one set ranks by under pattern pp, before sinks and windows are protected; items are
+// (pos, cell) sorted by position, off the state offset of the set (head_off(h) for head h, 0 for a layer)
+static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
+                                          const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
     const int32_t n = items.size();
-    const int32_t b = pp.budget;
-    std::vector<uint32_t> drop;
-    if (n <= b) {
-        return drop;
-    }
     std::vector<double> sc(n, 0.0);
     switch (pp.pattern) {
         case LLAMA_POLYKV_STREAMINGLLM:
-            {
-                const int32_t s = std::min(pp.n_sink, b - 1);
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = i < s ? INFINITY : (double) i;
-                }
-            } break;
+            for (int32_t i = 0; i < n; ++i) {
+                sc[i] = (double) i;
+            }
+            break;
         case LLAMA_POLYKV_H2O:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = grp.acc[off + items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
+            for (int32_t i = 0; i < n; ++i) {
+                sc[i] = grp.acc[off + items[i].second];
+            }
+            break;
         case LLAMA_POLYKV_TOVA:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = grp.last[off + items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
+            for (int32_t i = 0; i < n; ++i) {
+                sc[i] = grp.last[off + items[i].second];
+            }
+            break;
         case LLAMA_POLYKV_SNAPKV:
         case LLAMA_POLYKV_PYRAMIDKV:
             {
@@ -235,24 +224,42 @@ static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp,
                     }
                     sc[i] = m;
                 }
-                protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
             } break;
         case LLAMA_POLYKV_KVZIP:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = grp.zmax[off + items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
+            for (int32_t i = 0; i < n; ++i) {
+                sc[i] = grp.zmax[off + items[i].second];
+            }
+            break;
         case LLAMA_POLYKV_KNORM:
-            {
-                for (int32_t i = 0; i < n; ++i) {
-                    sc[i] = -grp.knorm[off + items[i].second];
-                }
-                protect(sc, b, pp.n_sink, pp.window);
-            } break;
+            for (int32_t i = 0; i < n; ++i) {
+                sc[i] = -grp.knorm[off + items[i].second];
+            }
+            break;
         case LLAMA_POLYKV_FULLKV:
-            return drop;
+            break;
+    }
+    return sc;
+}
+
+// the cells to drop from one token set (as pattern_scores); keeps the pattern's budget, as the reference
+static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
+                                         const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
+    const int32_t n = items.size();
+    const int32_t b = pp.budget;
+    std::vector<uint32_t> drop;
+    if (n <= b || pp.pattern == LLAMA_POLYKV_FULLKV) {
+        return drop;
+    }
+    std::vector<double> sc = pattern_scores(grp, pp, items, off);
+    if (pp.pattern == LLAMA_POLYKV_STREAMINGLLM) {
+        const int32_t s = std::min(pp.n_sink, b - 1);
+        for (int32_t i = 0; i < s; ++i) {
+            sc[i] = INFINITY;
+        }
+    } else if (pp.pattern == LLAMA_POLYKV_SNAPKV || pp.pattern == LLAMA_POLYKV_PYRAMIDKV) {
+        protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
+    } else {
+        protect(sc, b, pp.n_sink, pp.window);
     }
 
     // keep the b highest scores; among ties the more recent token (stable ascending sort, keep the tail)
@@ -570,6 +577,39 @@ void llama_kv_cache_poly::compact(group & grp) {
             grp.ring[k][i] = it->second.ring[k];
         }
     }
+}
+
+bool llama_kv_cache_poly::kept_scores(int32_t il, int32_t head, std::vector<float> & out) const {
+    out.clear();
+    if (il < 0 || il >= (int32_t) layer_group.size() || layer_group[il] < 0) {
+        return false;
+    }
+    const auto & grp = groups[layer_group[il]];
+    if (head < -1 || head >= (int32_t) grp.n_head_kv || (head < 0 ? !grp.layer_scores() : !grp.head_scores())) {
+        return false;
+    }
+    std::vector<std::pair<llama_pos, uint32_t>> items;
+    if (grp.per_head) {
+        for (uint32_t c = 0; c < grp.capacity; ++c) {
+            const llama_pos p = grp.hpos[(size_t) head*grp.capacity + c];
+            if (p >= 0) {
+                items.emplace_back(p, c);
+            }
+        }
+    } else {
+        const auto & cells = grp.kv->get_cells(0);
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (!cells.is_empty(i)) {
+                items.emplace_back(cells.pos_get(i), i);
+            }
+        }
+    }
+    std::sort(items.begin(), items.end());
+    const size_t off = head < 0 ? 0 : grp.head_off((uint32_t) head);
+    for (double v : pattern_scores(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL], items, off)) {
+        out.push_back((float) v);
+    }
+    return true;
 }
 
 std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il, int32_t head) const {

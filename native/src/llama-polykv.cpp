@@ -635,12 +635,16 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
     kvzip_active = true;
     int32_t rc = 0;
     for (int32_t c0 = 0; c0 < n_tokens && rc == 0; c0 += n_chunk) {
-        const int32_t n_seq = n_prefix + std::min(n_chunk, n_tokens - c0);
+        const int32_t n_part = std::min(n_chunk, n_tokens - c0);
+        // a chunk after the first starts with the last tokens before it (kvpress: "starting with" the previous
+        // chunk's last 8), so the copy resumes where it was; as many as n_ctx leaves room for
+        const int32_t n_overlap = std::max(0, std::min({ 8, c0, (int32_t) n_ctx - (n_prompt + n_prefix + n_part) }));
+        const int32_t n_seq = n_prefix + n_overlap + n_part;
         for (int32_t i0 = 0; i0 < n_seq && rc == 0; i0 += n_batch) {
             batch.n_tokens = 0;
             for (int32_t i = i0; i < std::min(n_seq, i0 + n_batch); ++i) {
                 const int32_t k = batch.n_tokens++;
-                batch.token   [k]    = i < n_prefix ? prefix[i] : tokens[c0 + i - n_prefix];
+                batch.token   [k]    = i < n_prefix ? prefix[i] : tokens[c0 - n_overlap + i - n_prefix];
                 batch.pos     [k]    = n_prompt + i;
                 batch.n_seq_id[k]    = 1;
                 batch.seq_id  [k][0] = 0;
@@ -1039,6 +1043,18 @@ int32_t llama_polykv_get_kept_positions_head(const struct llama_context * ctx, i
         out[i] = pos[i];
     }
     return (int32_t) pos.size();
+}
+
+int32_t llama_polykv_get_kept_scores(const struct llama_context * ctx, int32_t il, int32_t head, float * out, int32_t n_max) {
+    auto * poly = get_poly(ctx);
+    std::vector<float> sc;
+    if (!poly || !poly->kept_scores(il, head, sc)) {
+        return -1;
+    }
+    for (int32_t i = 0; i < (int32_t) sc.size() && i < n_max && out; ++i) {
+        out[i] = sc[i];
+    }
+    return (int32_t) sc.size();
 }
 
 int32_t llama_polykv_layer_per_head(const struct llama_context * ctx, int32_t il) {

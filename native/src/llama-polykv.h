@@ -165,6 +165,9 @@ public:
     // kept positions of a layer (sorted); head >= 0: those of one KV head (per-head selection), head < 0: the
     // union over the heads
     std::vector<llama_pos> kept_positions(int32_t il, int32_t head = -1) const;
+    // the score the layer's prefill pattern ranks each kept token by (position order; head -1: the layer's
+    // scores, else KV head `head`'s); false when the layer keeps no such scores
+    bool kept_scores(int32_t il, int32_t head, std::vector<float> & out) const;
 
     // per-head groups: the attention mask of a ubatch, [n_kv, n_tokens, n_head] (one slice per query head)
     void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const;
