@@ -224,20 +224,11 @@ class _Measure:
     def measure(self, plan) -> dict[str, float]:
         """Means over items of ``kl``: KL(FullKV || plan) in nats per scored continuation token, and ``top1``:
         the share of scored tokens whose most likely next token differs from FullKV's."""
-        self.model.set_plan(plan, prefill="portable")
         kl = top1 = 0.0
-        with self.model.context(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=512,
-                                n_threads=self.n_threads) as ctx:
-            for snap, item, ref in self.items:
-                ctx.restore(snap)
-                if uses_kvzip(plan):
-                    ctx.compress_prompt_kvzip(item.context, chunk=KVZIP_ROOM)
-                else:
-                    ctx.compress_prompt()
-                lp = self._logprobs(ctx, item)
-                kl += float(np.mean(np.sum(np.exp(ref) * (ref - lp), axis=-1, dtype=np.float64)))
-                top1 += float(np.mean(lp.argmax(axis=-1) != ref.argmax(axis=-1)))
-        self.n_measured += 1
+        for ctx, item, ref in self._compressed(plan):
+            lp = self._logprobs(ctx, item)
+            kl += float(np.mean(np.sum(np.exp(ref) * (ref - lp), axis=-1, dtype=np.float64)))
+            top1 += float(np.mean(lp.argmax(axis=-1) != ref.argmax(axis=-1)))
         return {"kl": kl / len(self.items), "top1": top1 / len(self.items)}
 
     def kl(self, plan) -> float:
@@ -255,26 +246,32 @@ class _Measure:
         whole = max(len(i.context) for _, i, _ in self.items)
         plan = build(self.n_layer, [pattern] * self.n_layer, [min(whole, w or whole) for w in windows], whole,
                      min(whole, 64))
-        self.model.set_plan(plan, prefill="portable")
         shares = np.zeros(self.n_layer)
+        n_head = self.model.n_head_kv
+        layers = [il for il in range(self.n_layer) if not windows[il]]
+        for ctx, _, _ in self._compressed(plan):
+            sc = {il: np.stack([ctx.kept_scores(il, h) for h in range(n_head)]) for il in layers}
+            pool = np.concatenate([sc[il].ravel() for il in layers])
+            k = min(len(pool), len(layers) * n_head * budget)
+            thr = np.partition(pool, len(pool) - k)[len(pool) - k]
+            kept = np.array([float((sc[il] >= thr).sum()) if il in sc else 0.0 for il in range(self.n_layer)])
+            shares += kept / kept.sum()
+        return shares / len(self.items)
+
+    def _compressed(self, plan):
+        """Each item's context restored into one portable context with `plan` and compressed as the runtime does
+        (after KVzip's reconstruction pass for kvzip plans): yields (context, item, FullKV log-probs)."""
+        self.model.set_plan(plan, prefill="portable")
         with self.model.context(n_ctx=self.n_ctx, n_batch=self.n_batch, n_ubatch=512,
                                 n_threads=self.n_threads) as ctx:
-            n_head = self.model.n_head_kv
-            for snap, item, _ in self.items:
+            for snap, item, ref in self.items:
                 ctx.restore(snap)
                 if uses_kvzip(plan):
                     ctx.compress_prompt_kvzip(item.context, chunk=KVZIP_ROOM)
                 else:
                     ctx.compress_prompt()
-                layers = [il for il in range(self.n_layer) if not windows[il]]
-                sc = {il: np.stack([ctx.kept_scores(il, h) for h in range(n_head)]) for il in layers}
-                pool = np.concatenate([sc[il].ravel() for il in layers])
-                k = min(len(pool), len(layers) * n_head * budget)
-                thr = np.partition(pool, len(pool) - k)[len(pool) - k]
-                kept = np.array([float((sc[il] >= thr).sum()) if il in sc else 0.0 for il in range(self.n_layer)])
-                shares += kept / kept.sum()
+                yield ctx, item, ref
         self.n_measured += 1
-        return shares / len(self.items)
 
 
 def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget: int, b_min: int,
