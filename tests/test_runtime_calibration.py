@@ -87,10 +87,11 @@ def test_cli_runtime_method(cli_exe, tiny_gguf, tmp_path):
     plan_json = tmp_path / "p.json"
     r = run_cli(cli_exe, "calibrate", "--method", "runtime", "--gguf", tiny_gguf, "--budget", "48", "--samples", "1",
                 "--ctx", "256", "--n-cont", "16", "--patterns", "streamingllm,tova", "--no-budget-moves",
-                "--plan-out", plan_json, "-q")
+                "--budgets-from-scores", "--plan-out", plan_json, "-q")
     assert r.returncode == 0, r.stderr
     assert "plans measured" in r.stdout and plan_json.exists()
-    assert plan_mod.load(plan_json).budget_rule == "search"
+    plan = plan_mod.load(plan_json)
+    assert plan.budget_rule == "search" and plan.provenance.extra["budgets_from_scores"] is True
     r = run_cli(cli_exe, "calibrate", "--method", "runtime", "--gguf", tmp_path / "nope.gguf", "-q")
     assert r.returncode != 0 and "not found" in r.stderr
 
