@@ -96,30 +96,34 @@ def test_kvzip_kept_positions_equal_reference(twin, tokens, hf_reference, recon_
             assert kept[step + 1][h] == ref[h].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
 
 
+@pytest.mark.parametrize("prefill", ["exact", "portable"])
 @pytest.mark.parametrize("selection", ["layer", "head"])
-def test_kvzip_scores_equal_the_reference_maximum(twin, tokens, recon_attn, selection):
+def test_kvzip_scores_equal_the_reference_maximum(twin, tokens, recon_attn, selection, prefill):
     """`Context.kept_scores`: with room for the whole prompt, each token's score is the largest probability any
-    reconstruction query of the layer's (or the KV head's) query heads gave it, as transformers computes it."""
+    reconstruction query of the layer's (or the KV head's) query heads gave it, as transformers computes it. A
+    portable context keeps both kinds for every layer, except layer-wide scores of a per-head layer."""
     _, path = twin
     plan = kvzip_plan(1, selection, budget=P + N, decode_budget=P + N)
+    r = CFG.n_head // CFG.n_head_kv
     with Model(path) as model:
-        model.set_plan(plan, prefill="exact")
+        model.set_plan(plan, prefill=prefill)
         # flash attention off: its f16 softmax in layer 0 moves layer 1's probabilities by about 1e-3
         with model.context(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off") as ctx:
             ctx.decode(tokens[:P])
             ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
             assert ctx.kept_positions(1) == list(range(P))
-            r = CFG.n_head // CFG.n_head_kv
             if selection == "layer":
                 np.testing.assert_allclose(ctx.kept_scores(1), recon_attn[1].max(axis=(0, 1)), rtol=1e-4, atol=1e-6)
-                with pytest.raises(NativeError, match="keeps no head 0 scores"):
-                    ctx.kept_scores(1, 0)
             else:
+                with pytest.raises(NativeError, match="keeps no layer scores"):
+                    ctx.kept_scores(1)
+            if selection == "head" or prefill == "portable":
                 for h in range(CFG.n_head_kv):
                     want = recon_attn[1][h * r:(h + 1) * r].max(axis=(0, 1))
                     np.testing.assert_allclose(ctx.kept_scores(1, h), want, rtol=1e-4, atol=1e-6)
-                with pytest.raises(NativeError, match="keeps no layer scores"):
-                    ctx.kept_scores(1)
+            else:
+                with pytest.raises(NativeError, match="keeps no head 0 scores"):
+                    ctx.kept_scores(1, 0)
             assert len(ctx.kept_scores(0)) == len(ctx.kept_positions(0)) == P  # FullKV layer: positions, no scores
             assert not np.any(ctx.kept_scores(0))
 

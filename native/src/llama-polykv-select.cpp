@@ -585,7 +585,8 @@ bool llama_kv_cache_poly::kept_scores(int32_t il, int32_t head, std::vector<floa
         return false;
     }
     const auto & grp = groups[layer_group[il]];
-    if (head < -1 || head >= (int32_t) grp.n_head_kv || (head < 0 ? !grp.layer_scores() : !grp.head_scores())) {
+    // a per-head layer keeps one set per head: it has no layer-wide scores to give
+    if (head < -1 || head >= (int32_t) grp.n_head_kv || (head < 0 ? grp.per_head || !grp.layer_scores() : !grp.head_scores())) {
         return false;
     }
     std::vector<std::pair<llama_pos, uint32_t>> items;
