@@ -222,3 +222,13 @@ def test_run_command_runs_the_reconstruction_pass(tmp_path, twin, cli_exe):
     r = run_cli(cli_exe, "run", path, "--plan", plan_path, "-p", prompt, "-n", "4", "--no-echo", "-c", "512")
     assert r.returncode == 0, r.stderr
     assert "kvzip layers need --prefill-mode exact" in r.stderr
+
+
+def test_kvzip_prefix_without_a_chat_template(twin):
+    """A model without a chat template gets the bare instruction (api.KVZIP_PREFIX)."""
+    from polykv_cpp.api import KVZIP_PREFIX
+
+    _, path = twin
+    with Model(path) as model:
+        assert model.meta("tokenizer.chat_template") is None
+        assert model.kvzip_prefix() == model.tokenize(KVZIP_PREFIX, add_special=False, parse_special=False)
