@@ -14,6 +14,7 @@ from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import NativeError, PlanError
 from polykv_cpp.patterns import pattern_from_phase_plan, simulate, simulate_heads
+from test_per_head import decode_recording
 from test_polykv_native import B_DECODE, B_PREFILL, CFG, N, P, PHASE_PARAMS, hf_reference, tokens, twin  # noqa: F401
 
 torch = pytest.importorskip("torch")
@@ -62,14 +63,10 @@ def run_kvzip(path, plan, toks, layer, *, flash_attn="on", n_ubatch=512, chunk=C
                            type_k="f32", type_v="f32") as ctx:
             ctx.decode(toks[:P])
             ctx.compress_prompt_kvzip(toks[:P], prefix=PREFIX, chunk=chunk)
-            heads = range(CFG.n_head_kv)
-            kept = [[ctx.kept_positions(layer, h) for h in heads]]
+            kept = [[ctx.kept_positions(layer, h) for h in range(CFG.n_head_kv)]]
             logits = [ctx.logits()]
-            for t in toks[P:]:
-                ctx.decode([t])
-                kept.append([ctx.kept_positions(layer, h) for h in heads])
-                logits.append(ctx.logits())
-    return kept, np.array(logits)
+            steps = decode_recording(ctx, toks[P:], layer)
+    return kept + steps[0], np.array(logits + steps[1])
 
 
 def reference(hf_ref, recon, plan, layer):

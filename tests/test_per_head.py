@@ -47,11 +47,18 @@ def run_heads(path, plan, toks, layer, *, flash_attn="on", n_ubatch=512, prefill
             heads = range(CFG.n_head_kv)
             kept = [[ctx.kept_positions(layer, h) for h in heads] if prefill == "chunked" else None]
             logits = [ctx.logits()]
-            for t in toks[P:]:
-                ctx.decode([t])
-                kept.append([ctx.kept_positions(layer, h) for h in heads])
-                logits.append(ctx.logits())
-    return kept, np.array(logits)
+            steps = decode_recording(ctx, toks[P:], layer)
+    return kept + steps[0], np.array(logits + steps[1])
+
+
+def decode_recording(ctx, steps, layer):
+    """Feed `steps` one token at a time: after each, every KV head's kept positions of `layer`, and the logits."""
+    kept, logits = [], []
+    for t in steps:
+        ctx.decode([t])
+        kept.append([ctx.kept_positions(layer, h) for h in range(CFG.n_head_kv)])
+        logits.append(ctx.logits())
+    return kept, logits
 
 
 def reference(hf_ref, plan, layer):
