@@ -632,6 +632,34 @@ def test_exact_prefill_without_reuse_compresses_the_context_before_the_question(
     assert agnostic == [P1, ["compress"], P2] and aware == [P1 + P2]
 
 
+def test_prefill_slack_compresses_the_context_before_the_question(tmp_path):
+    """With a slack the prompt is compressed once, when it ends: query-agnostic after the context (the question
+    is not there yet), query-aware at the first answer step (inside the runtime, not a call of its own)."""
+    agnostic, aware, ev = _fed_batches(tmp_path, reuse=False, prefill="chunked", prefill_slack=2.0)
+    assert agnostic == [P1, ["compress"], P2] and aware == [P1 + P2]
+    agnostic, aware, ev = _fed_batches(tmp_path, reuse=False, prefill="chunked")
+    assert agnostic == [P1, P2]
+
+
+def test_prefill_slack_end_to_end_keeps_more_while_the_prompt_streams(tiny_gguf, tmp_path):
+    """A real run: slack 4 allocates more KV than slack 1 (the peak while the prompt streams) and the results say
+    which prefill ran; the slack is part of the configuration a resume checks."""
+    base = {**TINY_BASE, "budgets": [48], "methods": ["fullkv", "snapkv"], "ppl": False, "tasks": ["niah_single"]}
+    bytes_at = {}
+    for slack in (1.0, 4.0):
+        cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / f"s{slack:g}"), prefill="chunked",
+                         prefill_slack=slack, png=False, **base)
+        res = run_eval(cfg, log=lambda m: None)
+        bytes_at[slack] = {(r["method"], r["budget"]): r for r in res["runs"]}[("snapkv", 48)]["kv_bytes"]
+        assert ("slack 4" in res["prefill"]) == (slack == 4.0)
+        assert len([r for r in res["records"] if r["method"] == "snapkv"]) == 2
+    assert bytes_at[1.0] < bytes_at[4.0]
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "s4"), prefill="chunked", prefill_slack=2.0,
+                     resume=True, png=False, **base)
+    with pytest.raises(EvalError, match="prefill_slack"):
+        run_eval(cfg, log=lambda m: None)
+
+
 def test_keeps_everything():
     from polykv_cpp.plan import pyramid_plan, uniform_plan
 
@@ -646,6 +674,10 @@ def test_config_errors(tiny_gguf, tmp_path):
         EvalConfig(model=str(tiny_gguf), tasks=["nope"]).validate()
     with pytest.raises(EvalError, match="protocol"):
         EvalConfig(model=str(tiny_gguf), protocols=["sideways"]).validate()
+    with pytest.raises(EvalError, match="needs --prefill chunked"):
+        EvalConfig(model=str(tiny_gguf), prefill_slack=2.0).validate()
+    with pytest.raises(EvalError, match="slack must be"):
+        EvalConfig(model=str(tiny_gguf), prefill="chunked", prefill_slack=0.5).validate()
     with pytest.raises(EvalError, match="ppl-tokens"):
         EvalConfig(model=str(tiny_gguf), lengths=[100], ppl_tokens=200).validate()
     ev = Evaluator(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path), methods=["fullkv", "magic"],

@@ -89,6 +89,7 @@ def build_config(args: argparse.Namespace) -> Any:
     cfg.n_batch = args.batch_size
     cfg.n_ubatch = args.ubatch_size
     cfg.prefill = args.prefill
+    cfg.prefill_slack = args.prefill_slack
     cfg.flash_attn = args.flash_attn
     cfg.type_k = args.cache_type_k
     cfg.type_v = args.cache_type_v
@@ -191,6 +192,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="exact (default): compress the prompt once, as the papers and kvpress do; one prefill per "
                         "sample is shared by every method and budget. chunked: the runtime's streaming prefill, "
                         "compressed after every ubatch; every method prefills every sample (slower)")
+    g.add_argument("--prefill-slack", type=float, default=1.0, metavar="S",
+                   help="with --prefill chunked: while the prompt streams each layer keeps up to S x its budget and "
+                        "the prompt is compressed to the budget when it ends (run's --prefill-slack); default 1")
     g.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")

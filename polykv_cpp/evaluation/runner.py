@@ -71,6 +71,9 @@ PREFILL_TEXT = {
     "chunked": "chunked (the runtime's default): the prompt streams through caches of budget + one ubatch and is "
                "compressed after every ubatch; every (method, budget) prefills every sample itself",
 }
+SLACK_TEXT = ("; with prefill slack {s:g}: while the prompt streams each layer keeps up to {s:g} x its budget, "
+              "and the prompt is compressed to the budget when it ends (query-aware: when the answer starts, the "
+              "question in the observation window; query-agnostic: after the context, before the question)")
 # the portable state keeps the attention rows of this many last queries (native POLYKV_PORTABLE_OBS_WINDOW)
 PORTABLE_OBS_WINDOW = 64
 PROTOCOL_TEXT = {
@@ -123,6 +126,7 @@ class EvalConfig:
     n_batch: int = 2048
     n_ubatch: int = 512
     prefill: str = "exact"  # exact | chunked (see PREFILL_TEXT)
+    prefill_slack: float = 1.0  # chunked only: a streaming prompt keeps up to slack x budget per layer
     flash_attn: str = "auto"
     type_k: str = "f16"
     type_v: str = "f16"
@@ -156,6 +160,10 @@ class EvalConfig:
             raise EvalError(f"unknown prefill mode {self.prefill!r} (known: {', '.join(PREFILL_MODES)})")
         if self.plan_from_gguf not in ("auto", "yes", "no"):
             raise EvalError("plan_from_gguf must be auto, yes or no")
+        if not self.prefill_slack >= 1.0:
+            raise EvalError(f"--prefill-slack must be a number >= 1 (got {self.prefill_slack})")
+        if self.prefill_slack != 1.0 and self.prefill != "chunked":
+            raise EvalError("--prefill-slack needs --prefill chunked (exact keeps the whole prompt anyway)")
         if self.state_cache and self.prefill != "exact":
             raise EvalError("--state-cache needs --prefill exact (chunked prefill has no shareable prompt state)")
         if self.chat_template != "auto" and self.chat_template not in T.CHAT_FORMATS:
@@ -463,7 +471,7 @@ class Evaluator:
     def fingerprint(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"model": _file_id(self.model_path), "seed": cfg.seed, "chat": self.chat, "prefill": cfg.prefill,
-                "n_ubatch": cfg.n_ubatch,
+                "prefill_slack": cfg.prefill_slack, "n_ubatch": cfg.n_ubatch,
                 "n_batch": cfg.n_batch, "type_k": cfg.type_k, "type_v": cfg.type_v, "flash_attn": cfg.flash_attn,
                 "haystack": cfg.haystack, "max_new_tokens": cfg.max_new_tokens, "ppl_tokens": cfg.ppl_tokens,
                 "ppl_texts": sorted({s.name for s, _ in self.ppl_units}),
@@ -581,7 +589,8 @@ class Evaluator:
         plan = run.plan
         if plan is None and prefill == "portable":
             plan = plan_mod.uniform_plan(self.n_layer, plan_mod.FULLKV, self.n_ctx)
-        self.model.set_plan(plan, prefill=prefill)
+        slack = self.cfg.prefill_slack if prefill == "chunked" and plan is not None else 1.0
+        self.model.set_plan(plan, prefill=prefill, prefill_slack=slack)
         self.reuse["contexts_created"] += 1
         return self.model.context(n_ctx=self.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                   n_threads=cfg.n_threads, flash_attn=cfg.flash_attn, type_k=cfg.type_k,
@@ -677,7 +686,8 @@ class Evaluator:
             else:
                 if len(p1) > start:
                     ctx.decode(p1[start:])
-                if cfg.prefill == "exact":
+                if cfg.prefill == "exact" or cfg.prefill_slack > 1.0:
+                    # the context ends before the question exists: compress it to the budget now
                     self._compress(ctx, run, p1)
                 pred, n = self._generate(ctx, p2, sample)
             self._record(sample, p, run, pred, n, prefix_shared=P if share else 0)
@@ -994,7 +1004,8 @@ class Evaluator:
                 "elapsed_s": round(time.time() - self.t_start, 1),
             },
             "protocols": {p: PROTOCOL_TEXT[p] for p in [*cfg.protocols, "teacher-forced"]},
-            "prefill": PREFILL_TEXT[cfg.prefill],
+            "prefill": PREFILL_TEXT[cfg.prefill] + (SLACK_TEXT.format(s=cfg.prefill_slack)
+                                                   if cfg.prefill_slack > 1.0 else ""),
             "budget_definition": BUDGET_TEXT,
             "methods": self.methods,
             "plans": {n: {"origin": self.plan_origin.get(n), "summary": p.summary(), "b_min": p.b_min,
