@@ -173,6 +173,21 @@ def test_check_replays_the_eval_samples_and_agrees_on_fullkv(twins, eval_run, tm
     assert json.loads((out / "results.json").read_text())["format"] == K.RESULTS_FORMAT
 
 
+def test_a_kvpress_only_press_runs_beside_ours(twins, eval_run, tmp_path):
+    """expected_attention has no pattern of ours: the check runs kvpress's press alone and says so."""
+    cfg = K.KVPressCheckConfig(results=str(eval_run), out_dir=str(tmp_path / "ea"), hf_model=str(twins / "hf"),
+                               methods=["snapkv", "expected_attention"], protocols=["query-agnostic"], n_threads=1,
+                               progress=False, png=False)
+    data = K.run_kvpress_check(cfg, log=lambda m: None)
+    ea = [r for r in data["records"] if r["method"] == "expected_attention"]
+    assert len(ea) == 2 and all(r["ours_prediction"] is None and r["kept_per_layer"] == [40] * 3 for r in ea)
+    c = data["summary"]["query-agnostic"]["expected_attention"]["40"]
+    assert c["ours"] is None and 0 <= c["kvpress"] <= 100
+    assert data["summary"]["query-agnostic"]["snapkv"]["40"]["ours"] is not None
+    assert data["presses"]["expected_attention"] == "ExpectedAttentionPress"
+    assert "| expected_attention | 40 |" in (tmp_path / "ea" / "results.md").read_text()
+
+
 def test_check_refuses_what_the_run_does_not_have(twins, eval_run, tmp_path):
     def check(**kw):
         cfg = K.KVPressCheckConfig(results=str(eval_run), out_dir=str(tmp_path / "x"), hf_model=str(twins / "hf"),
