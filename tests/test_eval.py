@@ -787,3 +787,44 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     better = rows["better"].split("|")[3].strip()
     lo = float(better.split("[")[1].split(",")[0])
     assert better.startswith("+33.3") and lo > 0
+
+
+def _script(name: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_prefill_table_from_real_runs(tiny_gguf, tmp_path, capsys):
+    """scripts/prefill_table.py on tiny eval runs of one method in exact and chunked (slack 1 and 4) prefill: a row
+    per mode with both protocols, exact's peak is the FullKV size, chunked peaks grow with the slack, a mode
+    differs from exact by 0 exactly when it answers alike, and the picture is written."""
+    mod = _script("prefill_table")
+    base = {**TINY_BASE, "budgets": [48], "methods": ["fullkv", "snapkv"], "ppl": False, "png": False}
+    dirs = {}
+    for label, kw in (("exact", {"prefill": "exact"}), ("s1", {"prefill": "chunked"}),
+                      ("s4", {"prefill": "chunked", "prefill_slack": 4.0})):
+        dirs[label] = tmp_path / label
+        run_eval(EvalConfig(model=str(tiny_gguf), out_dir=str(dirs[label]), **kw, **base), log=lambda m: None)
+    out = tmp_path / "table"
+    assert mod.main(["--budget", "48", "--out", str(out)] + [f"{k}={v}" for k, v in dirs.items()]) == 0
+    t = json.loads((out / "prefill_table.json").read_text())
+    rows = t["modes"]
+    assert [rows[k]["mode"] for k in dirs] == ["exact", "chunked, slack 1", "chunked, slack 4"]
+    full_bytes = {(r["method"], r["budget"]): r for r in json.loads((dirs["exact"] / "results.json").read_text())[
+        "runs"]}[("snapkv", 48)]["kv_bytes_fullkv"]
+    assert rows["exact"]["peak_kv_bytes"] == full_bytes
+    assert rows["s1"]["peak_kv_bytes"] < rows["s4"]["peak_kv_bytes"]
+    for k in ("s1", "s4"):
+        for proto in ("query-aware", "query-agnostic"):
+            c = rows[k][proto]
+            same = c["score"] == rows["exact"][proto]["score"]
+            assert (abs(c["diff"]) < 1e-9) == same and c["diff_ci"][0] <= c["diff"] <= c["diff_ci"][1]
+    assert set(t["fullkv"]) == {"query-aware", "query-agnostic"} and rows["s1"]["n_prompts"] == 3
+    assert (out / "prefill_table.png").read_bytes().startswith(b"\x89PNG")
+    assert "| chunked, slack 4 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no results of snapkv@99"):
+        mod.main(["--budget", "99", f"exact={dirs['exact']}"])
