@@ -169,6 +169,9 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
     for name in patterns:
         if name not in P.PATTERNS:
             raise CalibrationError(f"unknown pattern {name!r} (known: {', '.join(P.PATTERN_NAMES)})")
+        if P.PATTERNS[name].prefill_only:
+            raise CalibrationError(f"{name} scores a prompt once, inside the runtime; the transformers calibration "
+                                   "cannot measure it: use --method runtime")
     if len(set(patterns)) != len(patterns) or not patterns:
         raise CalibrationError("--patterns must list distinct pattern names")
     for ph in phases:

@@ -323,7 +323,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         raise CalibrationError(f"runtime calibration patterns must be budgeted patterns or their per-head variants "
                                f"(e.g. snapkv-head; got {bad or 'none'})")
     # a KVzip candidate reconstructs each prompt after it: leave its chunk room in every context
-    room = KVZIP_ROOM if any(plan_mod.split_selection(p)[0] in plan_mod.PREFILL_ONLY_PATTERNS for p in patterns) else 0
+    room = KVZIP_ROOM if any(plan_mod.split_selection(p)[0] in plan_mod.RECONSTRUCTION_PATTERNS for p in patterns) else 0
     from_tasks = dataset == TASKS_DATASET
     objective = objective or ("top1" if from_tasks else "kl")
     if objective not in OBJECTIVES:

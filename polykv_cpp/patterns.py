@@ -48,7 +48,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
-    "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm", "KVzip",
+    "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm", "KVzip", "ExpectedAttention",
+    "QueryStatistics", "query_statistics", "average_rotation",
     "PATTERNS", "PATTERN_NAMES", "get_pattern", "pattern_from_phase_plan", "keep_topk", "pool1d",
     "reduce_heads", "simulate", "simulate_heads", "SimResult", "softmax_causal",
 ]
@@ -160,7 +161,7 @@ class Pattern:
         raise NotImplementedError
 
     def select(self, budget: int, *, attn: np.ndarray | None = None, keys: np.ndarray | None = None,
-               acc: np.ndarray | None = None, n_key: int | None = None) -> np.ndarray:
+               acc: np.ndarray | None = None, n_key: int | None = None, stats: Any = None) -> np.ndarray:
         """Sorted kept indices along the key axis (shape ``[..., min(budget, n_key)]``)."""
         if budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
@@ -172,7 +173,8 @@ class Pattern:
         if n_key <= budget:
             batch = _batch_shape(attn, keys, acc, self)
             return np.broadcast_to(np.arange(n_key), batch + (n_key,)).copy()
-        return keep_topk(self.scores(budget, n_key, attn=attn, keys=keys, acc=acc), budget)
+        extra = {} if stats is None else {"stats": stats}  # Expected Attention's query statistics
+        return keep_topk(self.scores(budget, n_key, attn=attn, keys=keys, acc=acc, **extra), budget)
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -392,9 +394,107 @@ class KVzip(Pattern):
         return _protect(attn.max(axis=(-3, -2)), budget, self.n_sink, self.window)
 
 
+@dataclass(frozen=True)
+class QueryStatistics:
+    """What Expected Attention reads besides the keys: the moments of a layer's pre-RoPE queries and the values.
+
+    ``mean`` ``[n_head, d]`` and ``cov`` ``[n_head, d, d]`` (population covariance) of the queries at positions
+    ``>= n_sink`` (:func:`query_statistics`), ``rotation`` ``[d, d]`` the RoPE rotation averaged over the future
+    positions (:func:`average_rotation`), ``values`` ``[n_head_kv, n_key, dv]`` and ``scale`` the attention scale
+    (``1 / sqrt(d)`` for most models)."""
+
+    mean: np.ndarray
+    cov: np.ndarray
+    rotation: np.ndarray
+    values: np.ndarray
+    scale: float
+
+    def head(self, g: int, n_group: int) -> "QueryStatistics":
+        """The statistics KV head ``g`` reads: its ``n_group`` query heads and its values."""
+        q = slice(g * n_group, (g + 1) * n_group)
+        return QueryStatistics(self.mean[q], self.cov[q], self.rotation, np.asarray(self.values)[g:g + 1], self.scale)
+
+
+def query_statistics(queries: np.ndarray, positions: np.ndarray, n_sink: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean ``[n_head, d]`` and population covariance ``[n_head, d, d]`` of pre-RoPE ``queries``
+    ``[n_head, n_q, d]`` over the queries whose position is ``>= n_sink`` (kvpress leaves the first ``n_sink`` out)."""
+    q = np.asarray(queries, dtype=np.float64)[:, np.asarray(positions) >= n_sink]
+    mean = q.mean(axis=1)
+    c = q - mean[:, None, :]
+    return mean, np.einsum("hni,hnj->hij", c, c) / q.shape[1]
+
+
+def average_rotation(d: int, start: int, *, n_future: int = 512, n_rot: int | None = None, freq_base: float = 10000.0,
+                     freq_scale: float = 1.0, neox: bool = True) -> np.ndarray:
+    """The RoPE rotation of a ``d``-dim head averaged over positions ``start .. start + n_future - 1``: pair ``i``
+    (dims ``i, i + n_rot/2`` for NeoX/HF, ``2i, 2i+1`` for the original layout) turns by ``theta_i * t`` with
+    ``theta_i = freq_scale * freq_base ** (-2i / n_rot)``; dims beyond ``n_rot`` do not turn."""
+    n_rot = d if n_rot is None else n_rot
+    half = n_rot // 2
+    R = np.eye(d)
+    t = np.arange(start, start + n_future, dtype=np.float64)
+    for i in range(half):
+        theta = freq_scale * freq_base ** (-2.0 * i / n_rot)
+        c, s = np.cos(theta * t).mean(), np.sin(theta * t).mean()
+        a, b = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        R[a, a], R[a, b], R[b, a], R[b, b] = c, -s, s, c
+    return R
+
+
+@dataclass(frozen=True)
+class ExpectedAttention(Pattern):
+    """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by Estimating Attention
+    from Future Queries Distribution"; kvpress ``ExpectedAttentionPress``).
+
+    Query-agnostic and without an extra pass: the future queries of a layer are modelled as Gaussian, with the
+    mean ``mu`` and covariance ``S`` of the pre-RoPE queries seen so far (positions ``>= n_sink``), rotated by the
+    RoPE rotation ``R`` averaged over the next 512 positions. A key ``k`` (as cached, after RoPE) then expects the
+    logit ``scale * (R mu).k + scale^2 / 2 * k^T (R S R^T) k`` from query head ``h``; a softmax over the keys
+    beyond the sinks, averaged over a KV head's query heads and multiplied by ``||v||``, is the KV head's score.
+    The ``budget`` highest are kept, the first ``n_sink`` (4, as kvpress) protected. One set per layer ranks by
+    the mean of the KV heads' scores. ``stats`` is a :class:`QueryStatistics`; no leading batch dimensions. Prefill only (the runtime scores
+    a prompt when it compresses it: after every ubatch in chunked prefill, from the statistics so far).
+    Limits: models with plain RoPE only (no YaRN or frequency factors); the Gaussian model of the queries is
+    weakest where attention is sharp (retrieval heads); with chunked prefill, tokens are scored by the queries
+    of the prompt so far, not of the whole prompt.
+    """
+
+    n_sink: int = 4
+    window: int = 0
+    name: ClassVar[str] = "expected_attention"
+    needs_keys: ClassVar[bool] = True
+    query_rows: ClassVar[str] = "statistics"
+    prefill_only: ClassVar[bool] = True
+
+    def head_scores(self, keys: np.ndarray, stats: QueryStatistics) -> np.ndarray:
+        """``[n_head_kv, n_key]`` scores of each KV head (0 for the sinks), before protection."""
+        k = np.asarray(keys, dtype=np.float64)
+        n_head_kv, n_key, _ = k.shape
+        n_head = stats.mean.shape[0]
+        rk = n_head // n_head_kv
+        R = stats.rotation
+        m = stats.scale * stats.mean @ R.T                                  # [n_head, d]
+        M = 0.5 * stats.scale ** 2 * np.einsum("ab,hbc,dc->had", R, stats.cov, R)
+        kh = np.repeat(k, rk, axis=0)                                        # [n_head, n_key, d]
+        logits = np.einsum("hd,hnd->hn", m, kh) + np.einsum("hna,hab,hnb->hn", kh, M, kh)
+        s = min(self.n_sink, n_key)
+        out = np.zeros((n_head_kv, n_key))
+        if s < n_key:
+            z = logits[:, s:] - logits[:, s:].max(axis=-1, keepdims=True)
+            p = np.exp(z) / np.exp(z).sum(axis=-1, keepdims=True)
+            vnorm = np.linalg.norm(np.asarray(stats.values, dtype=np.float64), axis=-1)[:, s:]
+            out[:, s:] = p.reshape(n_head_kv, rk, -1).mean(axis=1) * vnorm
+        return out
+
+    def scores(self, budget, n_key, *, attn=None, keys=None, acc=None, stats=None):
+        if stats is None:
+            raise ValueError("expected_attention needs stats (QueryStatistics)")
+        return _protect(self.head_scores(keys, stats).mean(axis=0), budget, self.n_sink, self.window)
+
+
 #: name -> pattern class. Order is the tie-break order when two patterns score the same in calibration.
 PATTERNS: dict[str, type[Pattern]] = {
-    c.name: c for c in (StreamingLLM, H2O, SnapKV, TOVA, PyramidKV, FullKV, KNorm, KVzip)
+    c.name: c for c in (StreamingLLM, H2O, SnapKV, TOVA, PyramidKV, FullKV, KNorm, KVzip, ExpectedAttention)
 }
 PATTERN_NAMES: tuple[str, ...] = tuple(PATTERNS)
 
@@ -461,7 +561,8 @@ def _as_pattern(p: Pattern | str | None) -> Pattern | None:
 
 def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None, prefill_budget: int,
              decode: Pattern | str | None, decode_budget: int,
-             keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None) -> SimResult:
+             keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None,
+             stats: QueryStatistics | None = None) -> SimResult:
     """Reference of one layer's cache through a prompt of ``n_prompt`` tokens and then
     ``T - n_prompt`` generated tokens.
 
@@ -469,7 +570,8 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
     ever sees keys ``<= t``; attention of a decode query is the softmax of its logits over the keys it can
     still see (renormalised over the kept set). ``keys``: ``[n_head_kv, T, head_dim]`` (for ``knorm``).
     ``recon_attn``: ``[n_head, n_recon, n_prompt]``, the attention of a KVzip reconstruction pass's queries
-    on the prompt keys (for a ``kvzip`` prefill).
+    on the prompt keys (for a ``kvzip`` prefill). ``stats``: the prompt's :class:`QueryStatistics` (for an
+    ``expected_attention`` prefill).
 
     1. Prefill (exact mode): full causal attention ``A = softmax_causal(logits[:, :P, :P])``. If ``prefill``
        is None or ``P <= prefill_budget`` nothing is evicted; otherwise ``prefill.select(prefill_budget,
@@ -507,6 +609,11 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
         if recon_attn is None:
             raise ValueError(f"{pre.name} needs the reconstruction pass's attention (recon_attn)")
         kept = pre.select(prefill_budget, attn=np.asarray(recon_attn, dtype=np.float64)[:, :, :P])
+    elif pre.query_rows == "statistics":
+        if stats is None or keys is None:
+            raise ValueError(f"{pre.name} needs the prompt's query statistics (stats) and keys")
+        kept = pre.select(prefill_budget, keys=keys[:, :P], stats=dataclasses.replace(
+            stats, values=np.asarray(stats.values)[:, :P]))
     else:
         kept = pre.select(prefill_budget, attn=A, keys=None if keys is None else keys[:, :P])
     m_prompt = A.mean(axis=0)                                   # [P, P]
@@ -549,7 +656,8 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
 
 def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill: Pattern | str | None,
                    prefill_budget: int, decode: Pattern | str | None, decode_budget: int,
-                   keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None) -> list[SimResult]:
+                   keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None,
+                   stats: QueryStatistics | None = None) -> list[SimResult]:
     """Per-head selection: :func:`simulate` for every KV head on its own, one :class:`SimResult` per KV head.
 
     ``logits`` are ``[n_head, T, T]`` over query heads and ``keys`` ``[n_head_kv, T, head_dim]``. KV head ``g``
@@ -567,5 +675,6 @@ def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill
     return [simulate(logits[g * r:(g + 1) * r], n_prompt, prefill=prefill, prefill_budget=prefill_budget,
                      decode=decode, decode_budget=decode_budget,
                      keys=None if keys is None else np.asarray(keys)[g:g + 1],
-                     recon_attn=None if recon_attn is None else np.asarray(recon_attn)[g * r:(g + 1) * r])
+                     recon_attn=None if recon_attn is None else np.asarray(recon_attn)[g * r:(g + 1) * r],
+                     stats=None if stats is None else stats.head(g, r))
             for g in range(n_head_kv)]

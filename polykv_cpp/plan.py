@@ -48,6 +48,7 @@ __all__ = [
     "GGUF_KEY_VERSION",
     "KNOWN_PATTERNS",
     "PREFILL_ONLY_PATTERNS",
+    "RECONSTRUCTION_PATTERNS",
     "FULLKV",
     "PHASES",
     "DEFAULT_PARAMS",
@@ -75,7 +76,8 @@ GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
 
 #: Eviction patterns a plan may name (lower-case). ``polykv_cpp.patterns`` registers one class per name.
-KNOWN_PATTERNS: tuple[str, ...] = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm", "kvzip")
+KNOWN_PATTERNS: tuple[str, ...] = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm", "kvzip",
+                                   "expected_attention")
 FULLKV = "fullkv"
 #: Patterns that score with an observation window (SnapKV scoring); they require ``obs_window``.
 OBS_WINDOW_PATTERNS: tuple[str, ...] = ("snapkv", "pyramidkv")
@@ -84,9 +86,12 @@ PHASES: tuple[str, ...] = ("prefill", "decode")
 SELECTIONS: tuple[str, ...] = ("layer", "head")
 #: Patterns whose selection can differ per head (scored by attention or keys; positional ones are the same
 #: in every head).
-PER_HEAD_PATTERNS: tuple[str, ...] = ("h2o", "snapkv", "tova", "pyramidkv", "knorm", "kvzip")
-#: Patterns that score a whole prompt by an extra pass (KVzip): prefill phase only.
-PREFILL_ONLY_PATTERNS: tuple[str, ...] = ("kvzip",)
+PER_HEAD_PATTERNS: tuple[str, ...] = ("h2o", "snapkv", "tova", "pyramidkv", "knorm", "kvzip", "expected_attention")
+#: Patterns that score a prompt once, when it is compressed (KVzip by an extra pass, Expected Attention from the
+#: statistics of the prompt's queries): prefill phase only.
+PREFILL_ONLY_PATTERNS: tuple[str, ...] = ("kvzip", "expected_attention")
+#: Prefill patterns whose scores come from a reconstruction pass run after the prompt (`compress_prompt_kvzip`).
+RECONSTRUCTION_PATTERNS: tuple[str, ...] = ("kvzip",)
 #: The decode pattern the plan constructors give a layer whose prefill pattern is prefill-only.
 DECODE_AFTER_PREFILL_ONLY = "snapkv"
 
@@ -100,6 +105,7 @@ DEFAULT_PARAMS: dict[str, dict[str, int | None]] = {
     "tova": {"n_sink": 0, "window": 1},
     "knorm": {"n_sink": 0, "window": 1},
     "kvzip": {"n_sink": 4, "window": 0},
+    "expected_attention": {"n_sink": 4, "window": 0},
     "fullkv": {},
 }
 
@@ -681,7 +687,7 @@ class Plan:
             for i, pp in enumerate(pps):
                 _check_phase_static(pp, f"layer {i} {ph}", self.b_min)
                 if ph == "decode" and pp.pattern in PREFILL_ONLY_PATTERNS:
-                    raise PlanError(f"layer {i} decode: {pp.pattern} scores a prompt by a reconstruction pass; it is "
+                    raise PlanError(f"layer {i} decode: {pp.pattern} scores a prompt once, when it is compressed; it is "
                                     f"a prefill pattern only (decode with e.g. {DECODE_AFTER_PREFILL_ONLY})")
             budgeted = [i for i, pp in enumerate(pps) if not pp.is_full]
             if not budgeted:

@@ -127,6 +127,8 @@ def test_make_press_uses_our_window_kernel_and_sinks():
     assert (s.window_size, s.kernel_size) == (DEFAULT_PARAMS["snapkv"]["obs_window"],
                                               DEFAULT_PARAMS["snapkv"]["pool_kernel"])
     assert K.make_press(kvpress, "streamingllm", 0.5).n_sink == DEFAULT_PARAMS["streamingllm"]["n_sink"]
+    ea = K.make_press(kvpress, "expected_attention-head", 0.5)
+    assert type(ea).__name__ == "ExpectedAttentionPress" and ea.n_sink == DEFAULT_PARAMS["expected_attention"]["n_sink"]
     own = K.make_press(kvpress, "snapkv", 0.5, own_params=True)
     assert (own.window_size, own.kernel_size) == (kvpress.SnapKVPress().window_size, kvpress.SnapKVPress().kernel_size)
     with pytest.raises(K.KVPressCheckError, match="no kvpress press"):
@@ -137,7 +139,8 @@ def test_make_press_uses_our_window_kernel_and_sinks():
 def eval_run(twins):
     out = twins / "eval"
     cfg = EvalConfig(model=str(twins / "tiny.gguf"), out_dir=str(out), lengths=[400], budgets=[40],
-                     methods=["fullkv", "streamingllm", "snapkv", "h2o"], tasks=["niah_single", "vt"],
+                     methods=["fullkv", "streamingllm", "snapkv", "h2o", "expected_attention-head"],
+                     tasks=["niah_single", "vt"],
                      n_samples=1, ppl=False, n_ubatch=64, n_threads=1, progress=False, png=False)
     run_eval(cfg, log=lambda m: None)
     return out
@@ -150,7 +153,7 @@ def test_check_replays_the_eval_samples_and_agrees_on_fullkv(twins, eval_run, tm
     ours = json.loads((eval_run / "results.json").read_text())
     n_ours = len([r for r in ours["records"] if r["kind"] == "ruler"])
     # every (sample, protocol, method, budget) of the eval run, once
-    assert len(data["records"]) == n_ours == 2 * 2 * (1 + 3)
+    assert len(data["records"]) == n_ours == 2 * 2 * (1 + 4)
     for r in data["records"]:
         assert r["ours_prediction"] is not None
         if r["method"] == K.FULLKV:
@@ -165,27 +168,12 @@ def test_check_replays_the_eval_samples_and_agrees_on_fullkv(twins, eval_run, tm
             assert r["n_compressed"] == r["n_prompt"]
     s = data["summary"]["query-aware"]
     assert s[K.FULLKV]["None"]["same_answer"] == 100 and s[K.FULLKV]["None"]["ours"] == s[K.FULLKV]["None"]["kvpress"]
-    assert set(s) == {K.FULLKV, "streamingllm", "snapkv", "h2o"}
+    assert set(s) == {K.FULLKV, "streamingllm", "snapkv", "h2o", "expected_attention-head"}
     out = tmp_path / "kvp"
     md = (out / "results.md").read_text()
     assert "| snapkv | 40 |" in md and "Known differences" in md
     assert all((out / p).read_bytes().startswith(PNG_MAGIC) for p in data["plots"]) and len(data["plots"]) == 2
     assert json.loads((out / "results.json").read_text())["format"] == K.RESULTS_FORMAT
-
-
-def test_a_kvpress_only_press_runs_beside_ours(twins, eval_run, tmp_path):
-    """expected_attention has no pattern of ours: the check runs kvpress's press alone and says so."""
-    cfg = K.KVPressCheckConfig(results=str(eval_run), out_dir=str(tmp_path / "ea"), hf_model=str(twins / "hf"),
-                               methods=["snapkv", "expected_attention"], protocols=["query-agnostic"], n_threads=1,
-                               progress=False, png=False)
-    data = K.run_kvpress_check(cfg, log=lambda m: None)
-    ea = [r for r in data["records"] if r["method"] == "expected_attention"]
-    assert len(ea) == 2 and all(r["ours_prediction"] is None and r["kept_per_layer"] == [40] * 3 for r in ea)
-    c = data["summary"]["query-agnostic"]["expected_attention"]["40"]
-    assert c["ours"] is None and 0 <= c["kvpress"] <= 100
-    assert data["summary"]["query-agnostic"]["snapkv"]["40"]["ours"] is not None
-    assert data["presses"]["expected_attention"] == "ExpectedAttentionPress"
-    assert "| expected_attention | 40 |" in (tmp_path / "ea" / "results.md").read_text()
 
 
 def test_check_refuses_what_the_run_does_not_have(twins, eval_run, tmp_path):

@@ -15,7 +15,8 @@ def one_hot_rows(n_head, rows):
 
 
 def test_registry_names_match_plan_known_patterns():
-    assert P.PATTERN_NAMES == ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm", "kvzip")
+    assert P.PATTERN_NAMES == ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "fullkv", "knorm", "kvzip",
+                               "expected_attention")
     try:
         from polykv_cpp import plan
     except ImportError:  # plan.py not there yet
@@ -176,6 +177,8 @@ def test_batched_selection_equals_per_item():
     keys = rng.normal(size=(3, 2, 30, 8))
     for name in P.PATTERN_NAMES:
         p = P.get_pattern(name)
+        if p.query_rows == "statistics":
+            continue  # Expected Attention takes one layer's statistics (no batch dimensions)
         batched = p.select(10, attn=attn, keys=keys)
         for i in range(3):
             assert batched[i].tolist() == p.select(10, attn=attn[i], keys=keys[i]).tolist(), name
@@ -215,10 +218,14 @@ def test_simulate_budget_bookkeeping_and_rows():
     logits = _sim_logits(T, seed=2)
     keys = np.random.default_rng(4).normal(size=(1, T, 4))
     recon = P.softmax_causal(_sim_logits(Pn + 5, seed=3))[:, Pn:, :Pn]   # 5 reconstruction queries
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(2, Pn, 4))
+    mean, cov = P.query_statistics(q, np.arange(Pn), 4)
+    stats = P.QueryStatistics(mean, cov, P.average_rotation(4, Pn, n_future=8), rng.normal(size=(1, T, 4)), 0.5)
     for name in P.PATTERN_NAMES:
         dec = "h2o" if P.PATTERNS[name].prefill_only else name
         r = P.simulate(logits, Pn, prefill=name, prefill_budget=4, decode=dec, decode_budget=6, keys=keys,
-                       recon_attn=recon)
+                       recon_attn=recon, stats=stats)
         if name == "fullkv":
             assert len(r.prefill_kept) == Pn and len(r.decode_kept[-1]) == T
             continue
@@ -319,3 +326,33 @@ def test_kvzip_keeps_the_tokens_reconstruction_attends_most():
         P.simulate(_sim_logits(10), 8, prefill="kvzip", prefill_budget=4, decode=None, decode_budget=4)
     with pytest.raises(ValueError, match="prefill pattern only"):
         P.simulate(_sim_logits(10), 8, prefill="snapkv", prefill_budget=4, decode="kvzip", decode_budget=4)
+
+
+def test_expected_attention_reference_by_hand():
+    """One query head, one KV head, d = 2, no rotation (n_rot 0): the expected logit of key k is
+    scale * mu.k + scale^2 / 2 * k^T S k; a softmax beyond the sinks, times ||v||; sinks protected."""
+    q = np.array([[[1.0, 0.0], [1.0, 2.0], [3.0, 2.0], [-1.0, 4.0]]])     # 4 queries; the first is a sink
+    mean, cov = P.query_statistics(q, np.arange(4), 1)
+    np.testing.assert_allclose(mean, [[1.0, 8.0 / 3]])
+    np.testing.assert_allclose(cov[0], np.cov(q[0, 1:].T, bias=True))
+    keys = np.array([[[5.0, 5.0], [1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
+    values = np.array([[[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [0.0, 3.0]]])
+    st = P.QueryStatistics(mean, cov, P.average_rotation(2, 4, n_rot=0), values, 0.5)
+    logit = np.array([0.5 * mean[0] @ k + 0.125 * k @ cov[0] @ k for k in keys[0, 1:]])
+    p = np.exp(logit - logit.max()) / np.exp(logit - logit.max()).sum()
+    want = p * np.array([2.0, 1.0, 3.0])
+    got = P.ExpectedAttention(n_sink=1).head_scores(keys, st)
+    np.testing.assert_allclose(got[0], [0.0, *want])
+    kept = P.ExpectedAttention(n_sink=1).select(2, keys=keys, stats=st)
+    assert kept.tolist() == sorted([0, 1 + int(np.argmax(want))])
+
+
+def test_average_rotation_turns_pairs_by_the_mean_angle():
+    R = P.average_rotation(4, 10, n_future=3, freq_base=100.0)      # NeoX pairs (0, 2) and (1, 3)
+    t = np.arange(10, 13)
+    for i, (a, b) in enumerate([(0, 2), (1, 3)]):
+        th = 100.0 ** (-2 * i / 4)
+        c, s = np.cos(th * t).mean(), np.sin(th * t).mean()
+        np.testing.assert_allclose(R[[a, a, b, b], [a, b, a, b]], [c, -s, s, c])
+    R2 = P.average_rotation(4, 0, n_future=1, neox=False)              # position 0: no turn at all
+    np.testing.assert_allclose(R2, np.eye(4))

@@ -54,6 +54,20 @@ llm_graph_input_attn_kv_poly::llm_graph_input_attn_kv_poly(
 }
 
 void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
+    if (ea_neg_pos && ea_neg_pos->buffer) {
+        std::vector<int32_t> neg(ubatch->n_tokens);
+        for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
+            neg[i] = -ubatch->pos[i];
+        }
+        ggml_backend_tensor_set(ea_neg_pos, neg.data(), 0, neg.size() * sizeof(int32_t));
+    }
+    if (ea_pos_f && ea_pos_f->buffer) {
+        std::vector<float> pf(ubatch->n_tokens);
+        for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
+            pf[i] = (float) ubatch->pos[i];
+        }
+        ggml_backend_tensor_set(ea_pos_f, pf.data(), 0, pf.size() * sizeof(float));
+    }
     for (size_t g = 0; g < groups.size(); ++g) {
         auto & inp = groups[g];
         if (!head_masks[g]) {
@@ -136,6 +150,12 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         ginp->self_k_rot = gctx->build_input_k_rot(ctx0);
         ginp->self_v_rot = gctx->build_input_v_rot(ctx0);
         inp->groups.push_back(std::move(ginp));
+        if (!grp.ea_sum.empty() && !inp->ea_neg_pos) {
+            inp->ea_neg_pos = ggml_new_tensor_1d(ctx0, GGML_TYPE_I32, ubatch.n_tokens);
+            ggml_set_input(inp->ea_neg_pos);
+            inp->ea_pos_f = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, 1, ubatch.n_tokens);
+            ggml_set_input(inp->ea_pos_f);
+        }
     }
     return inp;
 }
@@ -166,6 +186,29 @@ void llama_polykv_build_scores(
         ggml_set_output(sq);
         ggml_build_forward_expand(gf, sq);
         grp.t_knorm = record ? sq : nullptr;
+    }
+    if (!kvzip && !grp.ea_sum.empty() && inp->ea_neg_pos) {
+        // Expected Attention: moments of the pre-RoPE queries, those at positions >= n_sink (kvpress leaves the first
+        // n_sink out); RoPE by -p undoes the rotation by p
+        const auto & rp = grp.rope;
+        const auto & cp = inp->cparams;
+        grp.ea_kq_scale = kq_scale;
+        ggml_tensor * qc = ggml_is_contiguous(q) ? q : ggml_cont(ctx0, q);
+        ggml_tensor * q_pre = ggml_rope_ext(ctx0, qc, inp->ea_neg_pos, nullptr, rp.n_rot, rp.mode, cp.n_ctx_orig_yarn,
+                                            rp.freq_base, rp.freq_scale, cp.yarn_ext_factor, cp.yarn_attn_factor,
+                                            cp.yarn_beta_fast, cp.yarn_beta_slow);             // [d, n_head, n_tokens]
+        ggml_tensor * w = ggml_step(ctx0, ggml_scale_bias(ctx0, inp->ea_pos_f, 1.0f,
+                                                          0.5f - (float) llama_kv_cache_poly::ea_n_sink(grp)));
+        ggml_tensor * x = ggml_cont(ctx0, ggml_permute(ctx0, ggml_mul(ctx0, q_pre, w), 1, 2, 0, 3)); // [n_tokens, d, n_head]
+        ggml_tensor * s1 = ggml_sum_rows(ctx0, x);                                      // [1, d, n_head]
+        ggml_tensor * s2 = ggml_mul_mat(ctx0, x, x);                                    // [d, d, n_head]
+        ggml_mul_mat_set_prec(s2, GGML_PREC_F32);
+        ggml_set_output(s1);
+        ggml_set_output(s2);
+        ggml_build_forward_expand(gf, s1);
+        ggml_build_forward_expand(gf, s2);
+        grp.t_ea_sum = record ? s1 : nullptr;
+        grp.t_ea_sq  = record ? s2 : nullptr;
     }
     if (kvzip ? !grp.needs(LLAMA_POLYKV_KVZIP) : !grp.needs_rows()) {
         return;

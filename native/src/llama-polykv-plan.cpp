@@ -14,7 +14,7 @@ using json = nlohmann::json;
 //
 
 static const char * k_pattern_names[] = {
-    "fullkv", "streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm", "kvzip",
+    "fullkv", "streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm", "kvzip", "expected_attention",
 };
 
 static bool pattern_from_name(const std::string & name, llama_polykv_pattern & out) {
@@ -29,7 +29,16 @@ static bool pattern_from_name(const std::string & name, llama_polykv_pattern & o
 
 bool llama_polykv_phase_plan::needs_scores() const {
     return pattern == LLAMA_POLYKV_H2O || pattern == LLAMA_POLYKV_SNAPKV ||
-           pattern == LLAMA_POLYKV_TOVA || pattern == LLAMA_POLYKV_PYRAMIDKV || pattern == LLAMA_POLYKV_KVZIP;
+           pattern == LLAMA_POLYKV_TOVA || pattern == LLAMA_POLYKV_PYRAMIDKV || pattern == LLAMA_POLYKV_KVZIP ||
+           pattern == LLAMA_POLYKV_EXPECTED_ATTENTION;
+}
+
+bool llama_polykv_phase_plan::reads_rows() const {
+    return needs_scores() && !prefill_only();
+}
+
+bool llama_polykv_phase_plan::prefill_only() const {
+    return pattern == LLAMA_POLYKV_KVZIP || pattern == LLAMA_POLYKV_EXPECTED_ATTENTION;
 }
 
 bool llama_polykv_phase_plan::per_head() const {
@@ -129,8 +138,9 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
                 }
             }
             const auto & lp = plan.layers[il];
-            if (lp[1].pattern == LLAMA_POLYKV_KVZIP) {
-                throw std::runtime_error("layer " + std::to_string(il) + " decode: kvzip scores a prompt by a reconstruction pass; it is a prefill pattern only");
+            if (lp[1].prefill_only()) {
+                throw std::runtime_error("layer " + std::to_string(il) + " decode: " + k_pattern_names[lp[1].pattern] +
+                                         " scores a prompt once; it is a prefill pattern only");
             }
             if (lp[0].per_head() && lp[1].per_head() == false && lp[1].pattern != LLAMA_POLYKV_FULLKV && lp[1].pattern != LLAMA_POLYKV_STREAMINGLLM) {
                 throw std::runtime_error("layer " + std::to_string(il) + ": prefill selects per head but decode per layer; a layer selects one way in both phases");
@@ -260,7 +270,7 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
 }
 
 const char * llama_polykv_pattern_name(int32_t pattern) {
-    if (pattern < 0 || pattern > LLAMA_POLYKV_KVZIP) {
+    if (pattern < 0 || pattern > LLAMA_POLYKV_EXPECTED_ATTENTION) {
         return "unknown";
     }
     return k_pattern_names[pattern];

@@ -16,6 +16,7 @@ enum llama_polykv_pattern {
     LLAMA_POLYKV_PYRAMIDKV,
     LLAMA_POLYKV_KNORM,
     LLAMA_POLYKV_KVZIP,  // prefill only: scored by a reconstruction pass (llama_polykv_compress_prompt_kvzip)
+    LLAMA_POLYKV_EXPECTED_ATTENTION, // prefill only: scored by the statistics of the queries seen so far
 };
 
 // which unit keeps its own token set: the layer (all its KV heads share one set) or each KV head
@@ -43,6 +44,11 @@ struct llama_polykv_phase_plan {
     llama_polykv_selection selection = LLAMA_POLYKV_SELECT_LAYER;
 
     bool needs_scores() const;
+    // scored from the attention rows of the prompt's and decode's own queries (not KVzip's pass, not Expected
+    // Attention's query statistics)
+    bool reads_rows() const;
+    // a pattern that scores a prompt only (KVzip, Expected Attention): never a decode pattern
+    bool prefill_only() const;
     // a score- or key-based pattern selecting per KV head (positional patterns keep the same set in every head)
     bool per_head() const;
 };

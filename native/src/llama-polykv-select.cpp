@@ -37,10 +37,15 @@ void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & ce
             // KVzip: a token that arrives after the reconstruction pass (a question fed after a compressed
             // context) was not scored by it: keep it before any scored token
             grp.zmax[off + c]  = kvzip_active ? 0.0f : INFINITY;
+            grp.ea[off + c]    = 0.0f;
             for (auto & row : grp.ring) {
                 row[off + c] = 0.0f;
             }
         }
+    }
+    grp.ea_new = 0;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        grp.ea_new += ubatch.pos[i] >= ea_n_sink(grp);
     }
     if (grp.per_head) {
         for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
@@ -166,9 +171,25 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
             }
         }
     }
+    if (grp.t_ea_sum && grp.t_ea_sq && !grp.ea_sum.empty()) {
+        GGML_ASSERT((size_t) ggml_nelements(grp.t_ea_sum) == grp.ea_sum.size() &&
+                    (size_t) ggml_nelements(grp.t_ea_sq) == grp.ea_sq.size());
+        std::vector<float> buf(grp.ea_sq.size());
+        ggml_backend_tensor_get(grp.t_ea_sum, buf.data(), 0, grp.ea_sum.size() * sizeof(float));
+        for (size_t i = 0; i < grp.ea_sum.size(); ++i) {
+            grp.ea_sum[i] += buf[i];
+        }
+        ggml_backend_tensor_get(grp.t_ea_sq, buf.data(), 0, grp.ea_sq.size() * sizeof(float));
+        for (size_t i = 0; i < grp.ea_sq.size(); ++i) {
+            grp.ea_sq[i] += buf[i];
+        }
+        grp.ea_n += grp.ea_new;
+    }
     grp.t_rows  = nullptr;
     grp.t_rows_heads = nullptr;
     grp.t_knorm = nullptr;
+    grp.t_ea_sum = nullptr;
+    grp.t_ea_sq  = nullptr;
 }
 
 // as polykv_cpp.patterns._protect: +inf on the last min(window, budget) and the first min(n_sink, budget - w)
@@ -230,6 +251,11 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
                 sc[i] = grp.zmax[off + items[i].second];
             }
             break;
+        case LLAMA_POLYKV_EXPECTED_ATTENTION:
+            for (int32_t i = 0; i < n; ++i) {
+                sc[i] = grp.ea[off + items[i].second];
+            }
+            break;
         case LLAMA_POLYKV_KNORM:
             for (int32_t i = 0; i < n; ++i) {
                 sc[i] = -grp.knorm[off + items[i].second];
@@ -275,6 +301,9 @@ static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp,
 void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
     if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
         return; // a FullKV sliding-window group behaves exactly as the stock SWA cache (it recycles masked cells)
+    }
+    if (pp.pattern == LLAMA_POLYKV_EXPECTED_ATTENTION) {
+        score_expected_attention(grp);
     }
     if (grp.per_head) {
         const size_t cap = grp.capacity;
@@ -349,6 +378,172 @@ static ggml_tensor * v_storage(const llama_kv_cache & kv, int32_t il) {
     ggml_tensor * v = view->view_src ? view->view_src : view;
     ggml_free(ctx);
     return v;
+}
+
+// the first n values of a cache tensor as floats (f32, f16, bf16 or a quantized type whose rows hold whole blocks)
+static std::vector<float> cache_floats(ggml_tensor * t, size_t n) {
+    std::vector<float> out(n);
+    if (t->type == GGML_TYPE_F32) {
+        ggml_backend_tensor_get(t, out.data(), 0, n * sizeof(float));
+        return out;
+    }
+    std::vector<uint8_t> raw(ggml_row_size(t->type, n));
+    ggml_backend_tensor_get(t, raw.data(), 0, raw.size());
+    ggml_get_type_traits(t->type)->to_float(raw.data(), out.data(), (int64_t) n);
+    return out;
+}
+
+void llama_kv_cache_poly::score_expected_attention(group & grp) {
+    std::fill(grp.ea.begin(), grp.ea.end(), 0.0f);
+    if (grp.ea_sum.empty() || grp.ea_n < 1.0) {
+        return; // no query statistics yet: every token scores 0 (the most recent are kept)
+    }
+    const int32_t il     = grp.layers.front();
+    const int32_t n_head = hparams.n_head(il);
+    const int32_t nkv    = (int32_t) grp.n_head_kv;
+    const int32_t rk     = n_head / nkv;
+    const int32_t d      = hparams.n_embd_head_k(il);
+    const int32_t dv     = hparams.n_embd_head_v(il);
+    const uint32_t cap   = grp.capacity;
+    const int32_t n_sink = ea_n_sink(grp);
+
+    // the mean rotation of the next LLAMA_POLYKV_EA_N_FUTURE positions: per rotated pair (a, b), cos and sin averaged
+    const int32_t n_rot = std::min(grp.rope.n_rot, d);
+    const int32_t half  = n_rot / 2;
+    std::vector<double> R((size_t) d * d, 0.0);
+    for (int32_t a = 0; a < d; ++a) {
+        R[(size_t) a*d + a] = 1.0;
+    }
+    for (int32_t i = 0; i < half; ++i) {
+        const double theta = grp.rope.freq_scale * std::pow((double) grp.rope.freq_base, -2.0 * i / n_rot);
+        double c = 0.0, s = 0.0;
+        for (int32_t t = 0; t < LLAMA_POLYKV_EA_N_FUTURE; ++t) {
+            c += std::cos(theta * (double) (pos_next + t));
+            s += std::sin(theta * (double) (pos_next + t));
+        }
+        c /= LLAMA_POLYKV_EA_N_FUTURE;
+        s /= LLAMA_POLYKV_EA_N_FUTURE;
+        const bool neox = grp.rope.mode == LLAMA_ROPE_TYPE_NEOX;
+        const int32_t a = neox ? i : 2*i;
+        const int32_t b = neox ? i + half : 2*i + 1;
+        R[(size_t) a*d + a] = c;
+        R[(size_t) a*d + b] = -s;
+        R[(size_t) b*d + a] = s;
+        R[(size_t) b*d + b] = c;
+    }
+
+    // per query head: m = scale * R mu and M = scale^2 / 2 * R Sigma R^T (Sigma: the population covariance), so that
+    // a key's expected logit is m.k + k^T M k (kvpress: mu.k / sqrt(d) + k^T Sigma k / (2 d))
+    const double sc = grp.ea_kq_scale;
+    std::vector<float> m((size_t) n_head * d);
+    std::vector<float> M((size_t) n_head * d * d);
+    {
+        std::vector<double> mu(d), cov((size_t) d * d), tmp((size_t) d * d);
+        for (int32_t h = 0; h < n_head; ++h) {
+            const double * s1 = &grp.ea_sum[(size_t) h*d];
+            const double * s2 = &grp.ea_sq[(size_t) h*d*d];
+            for (int32_t a = 0; a < d; ++a) {
+                mu[a] = s1[a] / grp.ea_n;
+            }
+            for (int32_t a = 0; a < d; ++a) {
+                for (int32_t b = 0; b < d; ++b) {
+                    cov[(size_t) a*d + b] = s2[(size_t) a*d + b] / grp.ea_n - mu[a]*mu[b];
+                }
+            }
+            for (int32_t a = 0; a < d; ++a) {
+                double v = 0.0;
+                for (int32_t b = 0; b < d; ++b) {
+                    v += R[(size_t) a*d + b] * mu[b];
+                }
+                m[(size_t) h*d + a] = (float) (sc * v);
+            }
+            // tmp = R cov, M = tmp R^T
+            for (int32_t a = 0; a < d; ++a) {
+                for (int32_t b = 0; b < d; ++b) {
+                    double v = 0.0;
+                    for (int32_t k = 0; k < d; ++k) {
+                        v += R[(size_t) a*d + k] * cov[(size_t) k*d + b];
+                    }
+                    tmp[(size_t) a*d + b] = v;
+                }
+            }
+            for (int32_t a = 0; a < d; ++a) {
+                for (int32_t b = 0; b < d; ++b) {
+                    double v = 0.0;
+                    for (int32_t k = 0; k < d; ++k) {
+                        v += tmp[(size_t) a*d + k] * R[(size_t) b*d + k];
+                    }
+                    M[((size_t) h*d + a)*d + b] = (float) (0.5 * sc * sc * v);
+                }
+            }
+        }
+    }
+
+    ggml_tensor * kt = grp.kv->get_k_storage(il);
+    ggml_tensor * vt = v_storage(*grp.kv, il);
+    const size_t n_embd_k = (size_t) nkv * d;
+    const size_t n_embd_v = (size_t) nkv * dv;
+    const std::vector<float> kf = cache_floats(kt, n_embd_k * cap);
+    const std::vector<float> vf = cache_floats(vt, n_embd_v * cap);
+
+    const auto & cells = grp.kv->get_cells(0);
+    for (int32_t g = 0; g < nkv; ++g) {
+        // the tokens KV head g holds beyond the sinks (its own set per head, else the layer's)
+        std::vector<uint32_t> set;
+        for (uint32_t c = 0; c < cap; ++c) {
+            const llama_pos p = grp.per_head ? grp.hpos[(size_t) g*cap + c] : (cells.is_empty(c) ? -1 : cells.pos_get(c));
+            if (p >= n_sink) {
+                set.push_back(c);
+            }
+        }
+        if (set.empty()) {
+            continue;
+        }
+        std::vector<double> prob(set.size(), 0.0), logit(set.size());
+        for (int32_t q = g*rk; q < (g + 1)*rk; ++q) {
+            const float * mq = &m[(size_t) q*d];
+            const float * Mq = &M[(size_t) q*d*d];
+            double lmax = -INFINITY;
+            for (size_t j = 0; j < set.size(); ++j) {
+                const float * k = &kf[(size_t) set[j]*n_embd_k + (size_t) g*d];
+                float lin = 0.0f, quad = 0.0f;
+                for (int32_t a = 0; a < d; ++a) {
+                    const float * row = Mq + (size_t) a*d;
+                    float v = 0.0f;
+                    for (int32_t b = 0; b < d; ++b) {
+                        v += row[b] * k[b];
+                    }
+                    quad += v * k[a];
+                    lin  += mq[a] * k[a];
+                }
+                logit[j] = (double) lin + (double) quad;
+                lmax = std::max(lmax, logit[j]);
+            }
+            double z = 0.0;
+            for (size_t j = 0; j < set.size(); ++j) {
+                logit[j] = std::exp(logit[j] - lmax);
+                z += logit[j];
+            }
+            for (size_t j = 0; j < set.size(); ++j) {
+                prob[j] += logit[j] / z / rk; // the mean over the KV head's query heads
+            }
+        }
+        for (size_t j = 0; j < set.size(); ++j) {
+            const uint32_t c = set[j];
+            double vn = 0.0;
+            for (int32_t i = 0; i < dv; ++i) {
+                const float v = v_trans ? vf[((size_t) g*dv + i)*cap + c] : vf[(size_t) c*n_embd_v + (size_t) g*dv + i];
+                vn += (double) v * v;
+            }
+            const double score = prob[j] * std::sqrt(vn); // kvpress: (scores + epsilon) * ||v||, epsilon 0
+            if (grp.head_scores()) {
+                grp.ea[grp.head_off((uint32_t) g) + c] = (float) score;
+            }
+            if (grp.layer_scores()) {
+                grp.ea[c] += (float) (score / nkv); // one set per layer: the mean over its KV heads
+            }
+        }
+    }
 }
 
 void llama_kv_cache_poly::repack(group & grp) {
@@ -455,6 +650,8 @@ void llama_kv_cache_poly::repack(group & grp) {
             grp.acc[t]   = grp.acc[s];
             grp.last[t]  = grp.last[s];
             grp.knorm[t] = grp.knorm[s];
+            grp.zmax[t]  = grp.zmax[s];
+            grp.ea[t]    = grp.ea[s];
             for (auto & row : grp.ring) {
                 row[t] = row[s];
             }
@@ -534,7 +731,7 @@ private:
 
 void llama_kv_cache_poly::compact(group & grp) {
     struct cell_score {
-        float acc, last, knorm;
+        float acc, last, knorm, zmax, ea;
         std::vector<float> ring;
     };
     std::map<llama_pos, cell_score> by_pos;
@@ -544,7 +741,7 @@ void llama_kv_cache_poly::compact(group & grp) {
             if (cells.is_empty(i)) {
                 continue;
             }
-            cell_score cs = { grp.acc[i], grp.last[i], grp.knorm[i], {} };
+            cell_score cs = { grp.acc[i], grp.last[i], grp.knorm[i], grp.zmax[i], grp.ea[i], {} };
             for (const auto & row : grp.ring) {
                 cs.ring.push_back(row[i]);
             }
@@ -560,6 +757,8 @@ void llama_kv_cache_poly::compact(group & grp) {
     std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
     std::fill(grp.last.begin(), grp.last.end(), 0.0f);
     std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
+    std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
+    std::fill(grp.ea.begin(), grp.ea.end(), 0.0f);
     for (auto & row : grp.ring) {
         std::fill(row.begin(), row.end(), 0.0f);
     }
@@ -573,6 +772,8 @@ void llama_kv_cache_poly::compact(group & grp) {
         grp.acc[i]   = it->second.acc;
         grp.last[i]  = it->second.last;
         grp.knorm[i] = it->second.knorm;
+        grp.zmax[i]  = it->second.zmax;
+        grp.ea[i]    = it->second.ea;
         for (size_t k = 0; k < grp.ring.size(); ++k) {
             grp.ring[k][i] = it->second.ring[k];
         }

@@ -241,6 +241,13 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         grp.last.assign(n_state, 0.0f);
         grp.knorm.assign(n_state, 0.0f);
         grp.zmax.assign(n_state, 0.0f);
+        grp.ea.assign(n_state, 0.0f);
+        if (grp.needs(LLAMA_POLYKV_EXPECTED_ATTENTION)) {
+            const int32_t il = grp.layers.front();
+            const size_t d = hparams.n_embd_head_k(il);
+            grp.ea_sum.assign((size_t) hparams.n_head(il) * d, 0.0);
+            grp.ea_sq.assign((size_t) hparams.n_head(il) * d * d, 0.0);
+        }
         if (grp.per_head) {
             grp.hpos.assign((size_t) grp.n_head_kv * grp.capacity, -1);
         }
@@ -290,6 +297,10 @@ void llama_kv_cache_poly::clear(bool data) {
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
         std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
         std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
+        std::fill(grp.ea.begin(), grp.ea.end(), 0.0f);
+        std::fill(grp.ea_sum.begin(), grp.ea_sum.end(), 0.0);
+        std::fill(grp.ea_sq.begin(), grp.ea_sq.end(), 0.0);
+        grp.ea_n = 0.0;
         std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
         grp.ring.clear();
     }
@@ -370,6 +381,26 @@ std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_poly::memory_breakdo
     return mb;
 }
 
+void llama_kv_cache_poly::set_rope(const llama_model & mdl, const llama_cparams & cparams) {
+    for (auto & grp : groups) {
+        if (!grp.needs(LLAMA_POLYKV_EXPECTED_ATTENTION) || (grp.collect_all && hparams.rope_type != LLAMA_ROPE_TYPE_NORM &&
+                                                           hparams.rope_type != LLAMA_ROPE_TYPE_NEOX)) {
+            grp.ea_sum.clear(); // a portable context of a model whose RoPE EA cannot follow collects no statistics
+            grp.ea_sq.clear();
+            continue;
+        }
+        const int32_t il = grp.layers.front();
+        if (hparams.rope_type != LLAMA_ROPE_TYPE_NORM && hparams.rope_type != LLAMA_ROPE_TYPE_NEOX) {
+            throw std::runtime_error("PolyKV: expected_attention (layer " + std::to_string(il) + ") needs a model with plain RoPE "
+                                     "(norm or neox); this model's RoPE type is " + std::to_string((int) hparams.rope_type));
+        }
+        grp.rope.n_rot      = (int32_t) hparams.n_rot(il);
+        grp.rope.mode       = hparams.rope_type;
+        grp.rope.freq_base  = mdl.get_rope_freq_base(cparams, il);
+        grp.rope.freq_scale = mdl.get_rope_freq_scale(cparams, il);
+    }
+}
+
 size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     size_t total = 0;
     for (const auto & [buft, size] : groups[g].kv->memory_breakdown()) {
@@ -378,7 +409,7 @@ size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     return total;
 }
 
-static const uint32_t POLYKV_STATE_MAGIC = 0x504b5633; // "PKV3"
+static const uint32_t POLYKV_STATE_MAGIC = 0x504b5634; // "PKV4"
 
 // after each group's cells: the score state of every kept token, keyed by position (a restore may place
 // tokens in other cells), so that a restored cache goes on evicting as the saved one would have
@@ -442,6 +473,18 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
                     }
                 }
             }
+        }
+        // Expected Attention: the query statistics (a portable state carries them for every layer)
+        const uint8_t has_ea = grp.ea_sum.empty() ? 0 : 1;
+        io.write(&has_ea, sizeof(has_ea));
+        if (has_ea) {
+            const uint32_t n_sum = grp.ea_sum.size();
+            const uint32_t n_sq  = grp.ea_sq.size();
+            io.write(&grp.ea_n, sizeof(grp.ea_n));
+            io.write(&n_sum, sizeof(n_sum));
+            io.write(&n_sq,  sizeof(n_sq));
+            io.write(grp.ea_sum.data(), n_sum * sizeof(double));
+            io.write(grp.ea_sq.data(),  n_sq  * sizeof(double));
         }
     }
 }
@@ -563,6 +606,35 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
                 }
             }
         }
+        uint8_t has_ea = 0;
+        io.read(&has_ea, sizeof(has_ea));
+        std::fill(grp.ea_sum.begin(), grp.ea_sum.end(), 0.0);
+        std::fill(grp.ea_sq.begin(), grp.ea_sq.end(), 0.0);
+        grp.ea_n = 0.0;
+        if (has_ea) {
+            double n_q = 0.0;
+            uint32_t n_sum = 0;
+            uint32_t n_sq  = 0;
+            io.read(&n_q, sizeof(n_q));
+            io.read(&n_sum, sizeof(n_sum));
+            io.read(&n_sq,  sizeof(n_sq));
+            const int32_t il = grp.layers.front();
+            const size_t d = hparams.n_embd_head_k(il);
+            const size_t n_head = hparams.n_head(il);
+            if (n_sum != n_head * d || n_sq != n_head * d * d || !(n_q >= 0.0)) {
+                throw std::runtime_error("PolyKV state: group " + std::to_string(g) + " has query statistics of another shape "
+                                         "(a state of another model, or a damaged file)");
+            }
+            if (grp.ea_sum.empty()) {
+                std::vector<double> skip(n_sq);
+                io.read(skip.data(), n_sum * sizeof(double));
+                io.read(skip.data(), n_sq * sizeof(double));
+            } else {
+                grp.ea_n = n_q;
+                io.read(grp.ea_sum.data(), n_sum * sizeof(double));
+                io.read(grp.ea_sq.data(),  n_sq  * sizeof(double));
+            }
+        }
     }
     // the newest token the state holds (the state does not record the logical end of the sequence)
     pos_next = 0;
@@ -667,7 +739,7 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
     bool any_scores = false;
     for (const auto & grp : groups) {
-        any_scores |= grp.t_rows != nullptr || grp.t_rows_heads != nullptr || grp.t_knorm != nullptr;
+        any_scores |= grp.t_rows != nullptr || grp.t_rows_heads != nullptr || grp.t_knorm != nullptr || grp.t_ea_sum != nullptr;
     }
     if (any_scores || prefill_exact) {
         // wait for the scores (and, in exact modes, for the cache writes a compaction may read before the next
@@ -840,6 +912,12 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     }
     auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_mode, prefill_slack, params.type_k, params.type_v, !cparams.flash_attn,
                                          cparams.offload_kqv, cparams.n_ctx_seq, cparams.n_ubatch);
+    try {
+        mem->set_rope(model, cparams);
+    } catch (...) {
+        delete mem;
+        throw;
+    }
     uint64_t cells = 0;
     uint64_t bytes = 0;
     for (uint32_t g = 0; g < mem->n_groups(); ++g) {

@@ -36,6 +36,14 @@ struct llama_memory_params;
 // llama_kv_cache_poly
 //
 
+// the RoPE of one layer, as Expected Attention undoes it for query statistics and averages it over future positions
+struct ea_rope {
+    int32_t n_rot      = 0;
+    int32_t mode       = 0;     // LLAMA_ROPE_TYPE_NORM (adjacent pairs) or LLAMA_ROPE_TYPE_NEOX (halves)
+    float   freq_base  = 10000.0f;
+    float   freq_scale = 1.0f;
+};
+
 class llama_kv_cache_poly : public llama_memory_i {
 public:
     struct group {
@@ -62,12 +70,24 @@ public:
         std::vector<float> knorm;              // K-norm: ||k||, the mean over KV heads for layer selection
         std::vector<std::vector<float>> ring;  // SnapKV: the last obs_window query rows
         std::vector<float> zmax;               // KVzip: the largest attention from a reconstruction query
+        std::vector<float> ea;                 // Expected Attention: the scores of the last eviction
+
+        // Expected Attention: moments of the pre-RoPE queries seen so far (positions >= n_sink), per query head:
+        // ea_sum[h*d + a] = sum of q_a, ea_sq[(h*d + a)*d + b] = sum of q_a q_b, over ea_n queries
+        double ea_n = 0.0;
+        uint32_t ea_new = 0;                   // queries of the last ubatch that count
+        std::vector<double> ea_sum;
+        std::vector<double> ea_sq;
+        ea_rope rope;                          // how the layer rotates queries and keys
+        float ea_kq_scale = 1.0f;              // the layer's attention scale (set when its graph is built)
 
         // graph outputs of the last ubatch (valid until the next graph is computed)
         ggml_tensor * t_rows  = nullptr; // [1, n_kv, n_rows]: attention of the last rows queries, mean over
                                          // the query heads of the layer
         ggml_tensor * t_rows_heads = nullptr; // [n_head_kv, n_kv, n_rows]: the same, mean over each KV head's
         ggml_tensor * t_knorm = nullptr; // [n_head_kv, n_tokens]: ||k|| of the new tokens per KV head
+        ggml_tensor * t_ea_sum = nullptr; // [1, d, n_head]: sum of the ubatch's pre-RoPE queries (n_sink on)
+        ggml_tensor * t_ea_sq  = nullptr; // [d, d, n_head]: sum of their outer products
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
 
         bool layer_scores() const { return !per_head || collect_all; }
@@ -84,7 +104,7 @@ public:
         // attention rows of the prompt and decode queries (every score pattern but KVzip, whose rows come from
         // its own reconstruction pass)
         bool needs_rows() const {
-            return collect_all || (phase[0].needs_scores() && phase[0].pattern != LLAMA_POLYKV_KVZIP) || phase[1].needs_scores();
+            return collect_all || phase[0].reads_rows() || phase[1].reads_rows();
         }
         bool needs(llama_polykv_pattern p) const { return collect_all || phase[0].pattern == p || phase[1].pattern == p; }
     };
@@ -174,6 +194,11 @@ public:
 
     size_t group_bytes(uint32_t g) const;
 
+    // Expected Attention: each layer's RoPE (from the context parameters); throws for a RoPE it cannot follow
+    void set_rope(const llama_model & model, const llama_cparams & cparams);
+    // Expected Attention: the n_sink of the layer's prefill phase (queries before it are left out of the statistics)
+    static int32_t ea_n_sink(const group & grp) { return grp.phase[0].n_sink; }
+
 private:
     const llama_model & model;
     const llama_hparams & hparams;
@@ -209,6 +234,9 @@ private:
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
 
     void read_scores(group & grp, uint32_t n_tokens);
+    // Expected Attention (Devoto et al. 2025, kvpress ExpectedAttentionPress): score every cell of a group from the
+    // query statistics, the average rotation of the next EA_N_FUTURE positions, and the cached keys and values
+    void score_expected_attention(group & grp);
     // KVzip: fold the rows of a reconstruction ubatch into zmax (max over the rows)
     void read_kvzip(group & grp);
     void warn_kvzip_unscored(const group & grp);
@@ -251,6 +279,9 @@ private:
     std::vector<llama_memory_context_ptr> group_ctxs;
 };
 
+// Expected Attention looks this many positions ahead (kvpress's n_future_positions)
+#define LLAMA_POLYKV_EA_N_FUTURE 512
+
 // graph input: one (idxs, mask) input per group, each over the group's own cache
 class llm_graph_input_attn_kv_poly : public llm_graph_input_attn_kv {
 public:
@@ -268,6 +299,11 @@ public:
 
     // per-head groups fill their mask themselves ([n_kv, n_tokens, n_head]); nullptr for the others
     std::vector<ggml_tensor *> head_masks;
+
+    // Expected Attention (some group needs query statistics): minus the ubatch's positions (I32 [n_tokens]: a
+    // RoPE by -p undoes the one by p) and the positions as floats ([1, 1, n_tokens]: which queries count)
+    ggml_tensor * ea_neg_pos = nullptr;
+    ggml_tensor * ea_pos_f   = nullptr;
     uint32_t n_head = 0;
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;

@@ -51,14 +51,11 @@ RESULTS_FORMAT = "polykv-kvpress-check"
 FULLKV = "fullkv"
 #: our baseline -> the kvpress press that implements the same rule
 PRESS_OF = {"streamingllm": "StreamingLLMPress", "h2o": "ObservedAttentionPress", "snapkv": "SnapKVPress",
-            "tova": "TOVAPress", "knorm": "KnormPress", "pyramidkv": "PyramidKVPress"}
+            "tova": "TOVAPress", "knorm": "KnormPress", "pyramidkv": "PyramidKVPress",
+            "expected_attention": "ExpectedAttentionPress"}
 # kvpress's scorer presses select per KV head (top-k of [batch, n_head_kv, n_key] scores): the same granularity
 # as our "-head" baselines, which map to the same presses
-PRESS_OF.update({f"{m}-head": PRESS_OF[m] for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv")})
-#: presses without a pattern of ours yet: the check runs them on kvpress's side only (with kvpress's own parameters),
-#: to measure whether they are worth a native pattern on this model and protocol
-KVPRESS_ONLY = {"expected_attention": "ExpectedAttentionPress"}
-PRESS_OF.update(KVPRESS_ONLY)
+PRESS_OF.update({f"{m}-head": PRESS_OF[m] for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "expected_attention")})
 #: presses whose score reads the full attention matrix (kvpress asks for eager attention)
 NEEDS_ATTENTIONS = tuple(m for m, p in PRESS_OF.items() if p == "ObservedAttentionPress")
 DIFFERENCES = [
@@ -72,7 +69,8 @@ DIFFERENCES = [
     "KnormPress keeps no recent token (ours keeps the newest); SnapKV/PyramidKV average-pool (ours: max-pool)",
     "PyramidKVPress falls back to uniform SnapKV sizes unless budget / beta >= window (budget >= 640 with our "
     "window 32), as KVCache-Factory does; our PyramidKV plan is a pyramid at every budget",
-    "expected_attention (ExpectedAttentionPress, kvpress's parameters) has no pattern of ours yet: kvpress only",
+    "Expected Attention: ours compresses the prompt once (exact prefill) as kvpress does; both look 512 positions "
+    "ahead and leave the first 4 queries out of the statistics (kvpress's defaults)",
 ]
 
 
@@ -123,12 +121,10 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
     if method not in PRESS_OF:
         raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)})")
     kw: dict[str, Any] = {"compression_ratio": ratio}
-    if method in KVPRESS_ONLY:
-        return getattr(kvpress, PRESS_OF[method])(**kw)
     method = method.removesuffix("-head")
     ours = DEFAULT_PARAMS[method]
     if not own_params:
-        if method == "streamingllm":
+        if method in ("streamingllm", "expected_attention"):
             kw["n_sink"] = ours["n_sink"]
         elif method in ("snapkv", "pyramidkv"):
             kw["window_size"] = ours["obs_window"]
@@ -302,7 +298,7 @@ class KVPressCheck:
         for p in self.protocols:
             if p not in PROTOCOLS or p not in oc["protocols"]:
                 raise KVPressCheckError(f"protocol {p!r} is not in the eval run ({', '.join(oc['protocols'])})")
-        missing = [f"{m}@{b}" for m in methods for b in self.budgets if (m, b) not in ran and m not in KVPRESS_ONLY]
+        missing = [f"{m}@{b}" for m in methods for b in self.budgets if (m, b) not in ran]
         if missing:
             raise KVPressCheckError(f"the eval run has no task results for {', '.join(missing)}; choose --methods "
                                     "and --budgets it ran")

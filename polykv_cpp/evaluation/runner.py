@@ -47,8 +47,9 @@ from polykv_cpp.evaluation import scoring, tasks as T
 FULLKV = "fullkv"
 #: uniform single-pattern baselines: one token set per layer, and the per-KV-head variants ("snapkv-head": every
 #: KV head keeps its own budget tokens by its own scores; the papers' own granularity)
-LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip")
-HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip"))
+LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip", "expected_attention")
+HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip",
+                                             "expected_attention"))
 BASELINES = LAYER_BASELINES + HEAD_BASELINES
 DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
 #: cells kept free after the longest sample when a method uses KVzip: its reconstruction pass feeds the prompt
@@ -60,7 +61,7 @@ def uses_kvzip(plan: Any) -> bool:
     """True if some layer of `plan` compresses its prompt with KVzip (a reconstruction pass must run)."""
     from polykv_cpp import plan as plan_mod
 
-    return plan is not None and any(lp.prefill.pattern in plan_mod.PREFILL_ONLY_PATTERNS for lp in plan.layers)
+    return plan is not None and any(lp.prefill.pattern in plan_mod.RECONSTRUCTION_PATTERNS for lp in plan.layers)
 PROTOCOLS = ("query-agnostic", "query-aware")
 PREFILL_MODES = ("exact", "chunked")
 PREFILL_TEXT = {
@@ -471,7 +472,7 @@ class Evaluator:
     def fingerprint(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"model": _file_id(self.model_path), "seed": cfg.seed, "chat": self.chat, "prefill": cfg.prefill,
-                "prefill_slack": cfg.prefill_slack, "n_ubatch": cfg.n_ubatch,
+                **({"prefill_slack": cfg.prefill_slack} if cfg.prefill_slack != 1.0 else {}), "n_ubatch": cfg.n_ubatch,
                 "n_batch": cfg.n_batch, "type_k": cfg.type_k, "type_v": cfg.type_v, "flash_attn": cfg.flash_attn,
                 "haystack": cfg.haystack, "max_new_tokens": cfg.max_new_tokens, "ppl_tokens": cfg.ppl_tokens,
                 "ppl_texts": sorted({s.name for s, _ in self.ppl_units}),
