@@ -391,7 +391,8 @@ def to_markdown(data: Mapping[str, Any]) -> str:
 
 _STYLE = {"fullkv": ("black", "--"), "streamingllm": ("tab:gray", "-"), "h2o": ("tab:orange", "-"),
           "snapkv": ("tab:blue", "-"), "tova": ("tab:green", "-"), "knorm": ("tab:purple", "-"),
-          "pyramidkv": ("tab:cyan", "-")}
+          "pyramidkv": ("tab:cyan", "-"), "kvzip": ("darkgoldenrod", "-"),
+          "expected_attention": ("tab:pink", "-")}
 _PLAN_COLORS = ("tab:red", "tab:brown", "tab:pink", "tab:olive")
 
 
