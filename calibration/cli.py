@@ -82,7 +82,7 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
         protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
         budget_moves=not args.no_budget_moves, budgets_from_scores=args.budgets_from_scores,
-        min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet)
+        score_pattern=args.score_pattern, min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet)
     print(res.plan.summary())
     what = {"kl": "KL vs FullKV", "top1": "top-1 misses vs FullKV"}[res.objective]
     print(f"{what} on the calibration continuations: " +
@@ -150,6 +150,10 @@ def register_cli(subparsers: Any) -> None:
                    help="before the search, give each layer the share of the best uniform pattern's top-scored "
                         "(head, token) pairs under one model-wide threshold (KVzip's / Ada-KV's global rule), "
                         "kept if the loss does not rise")
+    g.add_argument("--score-pattern", default=None, metavar="PATTERN",
+                   help="with --budgets-from-scores (implied): take the shares from this pattern's scores instead "
+                        "of the best uniform candidate's, e.g. kvzip-head budgets for expected_attention-head "
+                        "layers (the plan then needs no reconstruction pass)")
     g.add_argument("--tasks", default=None, metavar="LIST",
                    help="with --dataset tasks: comma list of the eval's synthetic tasks (default: all)")
     g.add_argument("--objective", default=None, choices=list(OBJECTIVES),

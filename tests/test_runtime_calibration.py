@@ -206,3 +206,28 @@ def test_runtime_calibration_budgets_from_scores(tiny_gguf):
     assert sum(buds) == 2 * 48 and min(buds) >= res.plan.b_min
     assert res.plan.provenance.extra["budgets_from_scores"] is True
     assert res.loss_plan <= res.loss_uniform["h2o-head"]
+
+
+def test_budgets_from_another_patterns_scores(tiny_gguf, monkeypatch):
+    """`--score-pattern`: the shares come from the named scorer's scores, the plan runs the searched pattern."""
+    asked = []
+    real = _Measure.score_shares
+
+    def spy(self, pattern, budget):
+        asked.append(pattern)
+        return real(self, pattern, budget)
+
+    monkeypatch.setattr(_Measure, "score_shares", spy)
+    res = runtime_calibrate(tiny_gguf, None, budget=48, samples=2, ctx=256, n_cont=16, patterns=("h2o-head",),
+                            budget_moves=False, score_pattern="knorm-head", progress=False, log=lambda m: None)
+    assert asked == ["knorm-head"]
+    step = next(s for s in res.steps if s.what.startswith("budgets from knorm-head's scores"))
+    assert {lp.prefill.pattern for lp in res.plan.layers} == {"h2o"}
+    assert all(lp.prefill.selection == "head" for lp in res.plan.layers)
+    assert res.plan.provenance.extra["score_pattern"] == "knorm-head"
+    assert res.plan.provenance.extra["budgets_from_scores"] is True
+    if step.accepted:
+        assert str([lp.prefill.budget for lp in res.plan.layers]) in step.what
+    with pytest.raises(CalibrationError, match="--score-pattern"):
+        runtime_calibrate(tiny_gguf, None, budget=48, samples=1, ctx=256, n_cont=16, patterns=("h2o",),
+                          score_pattern="fullkv", progress=False, log=lambda m: None)
