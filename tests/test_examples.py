@@ -1,0 +1,37 @@
+"""examples/chat.py on piped input: turns share one compressed cache and report its memory."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+CHAT = Path(__file__).parents[1] / "examples" / "chat.py"
+
+
+def _chat(*args, stdin: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(CHAT), *map(str, args)], input=stdin, capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_chat_keeps_the_conversation_in_a_compressed_cache(tiny_gguf, tmp_path):
+    long = "the cat and the dog and the bird " * 12
+    proc = _chat(tiny_gguf, "--pattern", "streamingllm", "--budget", "32", "-n", "8",
+                 stdin=f"{long}\n{long}\nand now?\n\nnot read\n", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("> ") == 3  # the empty line ended the chat
+    turns = [tuple(map(int, m)) for m in
+             re.findall(r"(\d+) tokens so far, layers keep (\d+)-(\d+), (\d+) evicted", proc.stderr)]
+    assert len(turns) == 3
+    seen = [t[0] for t in turns]
+    assert seen[0] > 300 and seen[1] > seen[0] + 300 and seen[2] > seen[1]  # each turn adds to the same context
+    assert all(t[2] <= 32 for t in turns)  # after every answer each layer holds its budget
+    evicted = [t[3] for t in turns]
+    assert evicted[0] > 0 and evicted[1] > evicted[0] + 250 and evicted[2] > evicted[1]
+    assert re.search(r"\(\d+% saved\)", proc.stderr)
+
+
+def test_chat_missing_model(tmp_path):
+    proc = _chat(tmp_path / "nope.gguf", stdin="hi\n", cwd=tmp_path)
+    assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
