@@ -133,14 +133,6 @@ def test_pool1d_matches_torch_semantics():
         np.testing.assert_allclose(P.pool1d(y, k, "avg"), av, rtol=1e-12)
 
 
-def test_pyramidkv_selects_like_snapkv():
-    rng = np.random.default_rng(3)
-    attn = P.softmax_causal(rng.normal(size=(4, 40, 40)))
-    a = P.SnapKV(window=None, obs_window=8, pool_kernel=5).select(16, attn=attn)
-    b = P.PyramidKV(window=None, obs_window=8, pool_kernel=5).select(16, attn=attn)
-    assert a.tolist() == b.tolist()
-
-
 def test_tova_last_query_head_mean():
     n = 6
     attn = np.zeros((2, 3, n))

@@ -445,7 +445,7 @@ def test_portable_state_is_refused_by_a_non_portable_context(twin, tokens):
             state = src.state_bytes()
         model.set_plan(plan_mod.uniform_plan(CFG.n_layer, "streamingllm", 16, n_sink=2), prefill="exact")
         with model.context(n_ctx=256) as ctx:
-            with pytest.raises(NativeError):
+            with pytest.raises(NativeError, match="does not come from a context with the same plan"):
                 ctx.load_state_bytes(state)
 
 

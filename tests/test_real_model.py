@@ -35,10 +35,12 @@ def test_greedy_32_tokens_equal_stock_llama_completion(default_model):
 
 
 def test_run_cli_on_default_model(cli_exe, default_model):
-    proc = run_cli(cli_exe, "run", default_model, "-p", PROMPT, "-n", "24", "-c", "1024")
+    proc = run_cli(cli_exe, "run", default_model, "-p", PROMPT, "-n", "24", "-c", "1024", "-t", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    generated = proc.stdout[len(PROMPT):]
-    assert "return" in generated or "fibonacci" in generated or "if" in generated, generated
+    with Model(default_model) as model, model.context(n_ctx=1024, n_threads=2) as ctx:
+        want = ctx.generate(PROMPT, max_tokens=24)  # greedy, as `run` by default (equal to stock: test above)
+    assert proc.stdout.startswith(PROMPT) and proc.stdout[len(PROMPT):].rstrip("\n") == want.rstrip("\n"), \
+        f"run: {proc.stdout!r}\nAPI: {PROMPT + want!r}"
     assert "qwen2" in proc.stderr and "KV cache: FullKV" in proc.stderr
 
 
