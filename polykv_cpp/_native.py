@@ -188,6 +188,10 @@ llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 size_t llama_state_get_size(struct llama_context * ctx);
 size_t llama_state_get_data(struct llama_context * ctx, uint8_t * dst, size_t size);
 size_t llama_state_set_data(struct llama_context * ctx, const uint8_t * src, size_t size);
+bool llama_state_load_file(struct llama_context * ctx, const char * path_session, llama_token * tokens_out,
+                           size_t n_token_capacity, size_t * n_token_count_out);
+bool llama_state_save_file(struct llama_context * ctx, const char * path_session, const llama_token * tokens,
+                           size_t n_token_count);
 
 struct llama_sampler * llama_sampler_chain_init(llama_sampler_chain_params params);
 void llama_sampler_chain_add(struct llama_sampler * chain, struct llama_sampler * smpl);

@@ -492,6 +492,34 @@ class Context:
             raise NativeError("failed to restore the context state" + (f": {detail}" if detail else ""))
         self._n_past = self.pos_max() + 1
 
+    def save_state_file(self, path: str | Path, tokens: Sequence[int]) -> None:
+        """llama.cpp's session file (`llama_state_save_file`, what `llama-completion --prompt-cache` writes): the
+        cache as it is, compressed by the plan, and `tokens`, the tokens fed so far. As the stock tools do, save
+        before the prompt's last token and feed that token after loading: the file holds no logits."""
+        toks = ffi.new("llama_token[]", max(1, len(tokens)))
+        toks[0:len(tokens)] = list(tokens)
+        mark = _native.log_mark()
+        if not self._lib.llama_state_save_file(self.ptr, str(path).encode(), toks, len(tokens)):
+            detail = _native.log_since(mark)
+            raise NativeError(f"failed to save the state to {path}" + (f": {detail}" if detail else ""))
+
+    def load_state_file(self, path: str | Path, max_tokens: int | None = None) -> list[int]:
+        """Load a session file (`save_state_file`, or a stock tool's prompt cache) into this context; returns its
+        tokens. A file from another model, plan or context size is refused with llama.cpp's or our message."""
+        if not Path(path).is_file():
+            raise NativeError(f"state file not found: {path}")
+        cap = max_tokens if max_tokens is not None else self.n_ctx
+        toks = ffi.new("llama_token[]", max(1, cap))
+        n = ffi.new("size_t *")
+        mark = _native.log_mark()
+        if not self._lib.llama_state_load_file(self.ptr, str(path).encode(), toks, cap, n):
+            detail = _native.log_since(mark)
+            raise NativeError(f"failed to load the state from {path}" + (f": {detail}" if detail else ""))
+        self._n_past = self.pos_max() + 1
+        self._pending = []
+        self._restored_logits = None
+        return list(toks[0:n[0]])
+
     # ---- evaluation -------------------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
         """Append `tokens` to sequence 0, in chunks of n_batch; logits for the last token (or all)."""
