@@ -334,6 +334,8 @@ class Model:
 
         if kv_budget < 0:
             raise PlanError(f"--kv-budget must be positive (got {kv_budget})")
+        if kv_budget > 2**31 - 1:
+            raise PlanError(f"--kv-budget {kv_budget} is larger than any context (at most 2^31 - 1 tokens)")
         if use_gguf:
             if plan is not None:
                 raise PlanError("give either a plan or use_gguf=True, not both")

@@ -42,3 +42,19 @@ def cli_exe() -> list[str]:
 def run_cli(cli_exe, *args, timeout=600, env=None):
     return subprocess.run([*cli_exe, *map(str, args)], capture_output=True, text=True, errors="replace",
                           timeout=timeout, env=env)
+
+
+def run_stock(cmd, *, done=lambda p: "graphs reused" in p.stderr or "error" in p.stderr, tries=4, before_retry=None,
+              **kwargs):
+    """Run a stock llama.cpp tool, again while its log is cut short. The pinned llama.cpp leaks its asynchronous
+    logger on purpose (common/log.cpp, `common_log_main`): a tool that exits while the log thread lags loses the
+    rest of its output, generated text included, more often on a busy machine. `done` tells a complete run."""
+    kwargs = {"capture_output": True, "text": True, "errors": "replace", "timeout": 300, "stdin": subprocess.DEVNULL,
+              **kwargs}
+    for _ in range(tries):
+        proc = subprocess.run(cmd, **kwargs)
+        if done(proc):
+            return proc
+        if before_retry is not None:
+            before_retry()
+    return proc

@@ -5,7 +5,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_stock
 
 
 def test_version_names_llama_commit(cli_exe):
@@ -130,9 +130,8 @@ def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
     # the stock tools take the slack from the environment
     from polykv_cpp._native import bin_dir
     env = dict(os.environ, LLAMA_POLYKV_PLAN=str(sidecar), LLAMA_POLYKV_PREFILL_SLACK="4")
-    tool = subprocess.run([str(bin_dir() / "llama-completion"), "-m", str(tiny_gguf), "-p", "the cat", "-n", "2",
-                           "-no-cnv", "--no-warmup", "-c", "2048", "-ub", "128", "-v"], capture_output=True, text=True,
-                          errors="replace", timeout=120, env=env, stdin=subprocess.DEVNULL)
+    tool = run_stock([str(bin_dir() / "llama-completion"), "-m", str(tiny_gguf), "-p", "the cat", "-n", "2",
+                      "-no-cnv", "--no-warmup", "-c", "2048", "-ub", "128", "-v"], timeout=120, env=env)
     assert tool.returncode == 0, tool.stderr[-2000:]
     assert "prefill slack 4" in tool.stderr and "12.5% of FullKV" in tool.stderr
     # without the flag the plan in the file is not used
@@ -156,10 +155,9 @@ def test_stock_tools_honour_plan_from_gguf_and_env(tiny_gguf, tmp_path):
     with_plan = write_gguf(tiny_gguf, tmp_path / "tiny.polykv.gguf", plan)
     sidecar = tmp_path / "plan.json"
     sidecar.write_text(plan.to_json())
-    completion = subprocess.run(
+    completion = run_stock(
         [str(bin_dir() / "llama-completion"), "-m", str(with_plan), "-p", "the cat", "-n", "4", "-no-cnv",
-         "--no-warmup", "-c", "2048", "-ub", "128", "-v"],
-        capture_output=True, text=True, errors="replace", timeout=120, stdin=subprocess.DEVNULL)
+         "--no-warmup", "-c", "2048", "-ub", "128", "-v"], timeout=120)
     assert completion.returncode == 0, completion.stderr[-2000:]
     assert "PolyKV plan active (GGUF key polykv.plan)" in completion.stderr
     assert "7.8% of FullKV" in completion.stderr  # 160 of 2048 cells
@@ -168,8 +166,7 @@ def test_stock_tools_honour_plan_from_gguf_and_env(tiny_gguf, tmp_path):
                             "-v"], capture_output=True, text=True, errors="replace", timeout=120, env=env)
     assert bench.returncode == 0, bench.stderr[-2000:]
     assert f"PolyKV plan active (file {sidecar}, kv-budget 16)" in bench.stdout + bench.stderr
-    disabled = subprocess.run(
+    disabled = run_stock(
         [str(bin_dir() / "llama-completion"), "-m", str(with_plan), "-p", "the cat", "-n", "2", "-no-cnv",
-         "--no-warmup", "-c", "512", "-v"], capture_output=True, text=True, errors="replace", timeout=120,
-        env=dict(os.environ, LLAMA_POLYKV_DISABLE="1"), stdin=subprocess.DEVNULL)
+         "--no-warmup", "-c", "512", "-v"], timeout=120, env=dict(os.environ, LLAMA_POLYKV_DISABLE="1"))
     assert disabled.returncode == 0 and "PolyKV plan active" not in disabled.stderr

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from conftest import run_cli
+from conftest import run_cli, run_stock
 from polykv_cpp._native import bin_dir
 from polykv_cpp.api import Model
 
@@ -20,10 +20,10 @@ def test_greedy_32_tokens_equal_stock_llama_completion(default_model):
     checked to re-render exactly that text piece by piece.
     """
     n = 32
-    stock = subprocess.run(
+    stock = run_stock(
         [str(bin_dir() / "llama-completion"), "-m", str(default_model), "-p", PROMPT, "-n", str(n),
          "--temp", "0", "-c", "1024", "-t", "2", "-no-cnv", "--no-display-prompt", "--no-warmup", "--simple-io"],
-        capture_output=True, text=True, errors="replace", timeout=600, stdin=subprocess.DEVNULL)
+        timeout=600)
     assert stock.returncode == 0, stock.stderr[-3000:]
     with Model(default_model) as model, model.context(n_ctx=1024, n_threads=2) as ctx:
         tokens = list(ctx.generate_tokens(model.tokenize(PROMPT), max_tokens=n))

@@ -98,7 +98,12 @@ static bool read_text_file(const std::string & path, std::string & out) {
 static std::string find_plan(const llama_model & model, int32_t & kv_budget, std::string & source) {
     kv_budget = 0;
     if (const char * env = getenv("LLAMA_POLYKV_KV_BUDGET")) {
-        kv_budget = atoi(env);
+        char * end = nullptr;
+        const long v = strtol(env, &end, 10);
+        if (end == env || *end != '\0' || v <= 0 || v > INT32_MAX) {
+            throw std::runtime_error(std::string("PolyKV: LLAMA_POLYKV_KV_BUDGET must be a positive integer, got '") + env + "'");
+        }
+        kv_budget = (int32_t) v;
     }
     {
         std::lock_guard<std::mutex> lock(g_mutex);
@@ -898,6 +903,9 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
             prefill_mode = it->second;
         } else if (const char * env = getenv("LLAMA_POLYKV_PREFILL")) {
             const std::string v = env;
+            if (v != "chunked" && v != "exact" && v != "portable") {
+                throw std::runtime_error("PolyKV: LLAMA_POLYKV_PREFILL must be chunked, exact or portable, got '" + v + "'");
+            }
             prefill_mode = v == "exact" ? 1 : v == "portable" ? 2 : 0;
         }
         auto its = g_prefill_slack.find(&model);
@@ -1101,6 +1109,11 @@ int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct ll
 int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max) {
     auto * poly = get_poly(ctx);
     if (!poly) {
+        set_last_error("the context has no PolyKV plan");
+        return -1;
+    }
+    if (il < 0 || il >= poly->get_plan().n_layer || poly->group_of(il) < 0) {
+        set_last_error("layer " + std::to_string(il) + " is out of range or has no cache");
         return -1;
     }
     const auto pos = poly->kept_positions(il);
@@ -1114,6 +1127,8 @@ int32_t llama_polykv_get_kept_positions_head(const struct llama_context * ctx, i
     auto * poly = get_poly(ctx);
     if (!poly || il < 0 || il >= poly->get_plan().n_layer || poly->group_of(il) < 0 || head < 0 ||
         head >= (int32_t) poly->get_group(poly->group_of(il)).n_head_kv) {
+        set_last_error(poly ? "layer " + std::to_string(il) + " head " + std::to_string(head) + " is out of range" :
+                              std::string("the context has no PolyKV plan"));
         return -1;
     }
     const auto pos = poly->kept_positions(il, head);
