@@ -110,6 +110,8 @@ DEFAULT_PARAMS: dict[str, dict[str, int | None]] = {
 }
 
 _SHARE_TOL = 1e-6
+#: the native runtime keeps counts in int32: larger numbers are refused by both parsers
+INT32_MAX = 2**31 - 1
 _PARAM_KEYS = ("n_sink", "window", "obs_window", "pool_kernel")
 
 
@@ -118,6 +120,18 @@ _PARAM_KEYS = ("n_sink", "window", "obs_window", "pool_kernel")
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    """JSON has no infinities: a number too large for a double is an error (as for the native parser)."""
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text} is out of range")
+    return x
 
 
 def _is_num(x: Any) -> bool:
@@ -458,13 +472,15 @@ class Provenance:
         cal = d.get("calibration")
         if cal is not None and not isinstance(cal, (str, Mapping)):
             raise PlanError("provenance.calibration must be a string or an object")
-        signals = d.get("signals") or []
+        signals = d.get("signals")
+        signals = [] if signals is None else signals
         if not isinstance(signals, list) or not all(isinstance(s, str) for s in signals):
             raise PlanError("provenance.signals must be a list of strings")
         for k in ("date", "tool_version"):
             if d.get(k) is not None and not isinstance(d[k], str):
                 raise PlanError(f"provenance.{k} must be a string")
-        extra = d.get("extra") or {}
+        extra = d.get("extra")
+        extra = {} if extra is None else extra
         if not isinstance(extra, Mapping):
             raise PlanError("provenance.extra must be an object")
         return cls(model=model, calibration=dict(cal) if isinstance(cal, Mapping) else cal, signals=list(signals),
@@ -570,7 +586,7 @@ class Plan:
     def from_json(cls, text: str | bytes) -> "Plan":
         """Parse JSON text; malformed JSON or a wrong schema raises PlanError."""
         try:
-            d = json.loads(text)
+            d = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
         except (ValueError, UnicodeDecodeError) as e:
             raise PlanError(f"plan is not valid JSON: {e}") from None
         return cls.from_dict(d)
@@ -666,6 +682,10 @@ class Plan:
             if lp.layer != i:
                 raise PlanError(f"layer entry {i} has index {lp.layer}; layers must be listed in order "
                                 f"0..{self.n_layer - 1}")
+        for name in ("n_layer", "budget_avg", "b_min", "full_charge"):
+            v = getattr(self, name)
+            if _is_int(v) and v > INT32_MAX:
+                raise PlanError(f"{name} {v} is too large (at most {INT32_MAX})")
         if not _is_int(self.budget_avg) or self.budget_avg < 1:
             raise PlanError(f"budget_avg must be a positive integer (got {self.budget_avg!r})")
         if not _is_int(self.b_min) or self.b_min < 0:
@@ -816,6 +836,10 @@ def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:
             raise PlanError(f"{where}: a fullkv layer keeps everything; its budget must be \"full\"/null and it "
                             "has no share")
         return
+    for name in ("budget", *_PARAM_KEYS):
+        v = getattr(pp, name)
+        if _is_int(v) and v > INT32_MAX:
+            raise PlanError(f"{where}: {name} {v} is too large (at most {INT32_MAX})")
     if pp.budget is None and pp.share is None:
         raise PlanError(f"{where}: {pp.pattern} needs a budget (tokens) or a share")
     if pp.budget is not None and pp.share is not None:

@@ -45,7 +45,27 @@ bool llama_polykv_phase_plan::per_head() const {
     return selection == LLAMA_POLYKV_SELECT_HEAD && (needs_scores() || pattern == LLAMA_POLYKV_KNORM);
 }
 
-static int32_t get_int(const json & obj, const char * key, int32_t def, const std::string & where) {
+// The rules are those of Plan.from_dict + Plan.validate in polykv_cpp/plan.py (docs/plan-format.md): both
+// parsers accept and refuse the same texts (scripts/fuzz_plans.py checks it on mutated plans)
+
+static void check_keys(const json & obj, std::initializer_list<const char *> allowed, const std::string & where) {
+    std::string unknown;
+    for (auto it = obj.begin(); it != obj.end(); ++it) {
+        bool ok = false;
+        for (const char * k : allowed) {
+            ok = ok || it.key() == k;
+        }
+        if (!ok) {
+            unknown += (unknown.empty() ? "" : ", ") + it.key();
+        }
+    }
+    if (!unknown.empty()) {
+        throw std::runtime_error(where + ": unknown field(s) " + unknown);
+    }
+}
+
+// an optional integer field: absent or null gives def; otherwise an integer within [lo, INT32_MAX]
+static int32_t get_int(const json & obj, const char * key, int32_t def, const std::string & where, int64_t lo = 0) {
     if (!obj.contains(key) || obj.at(key).is_null()) {
         return def;
     }
@@ -53,12 +73,162 @@ static int32_t get_int(const json & obj, const char * key, int32_t def, const st
     if (!v.is_number_integer()) {
         throw std::runtime_error(where + ": '" + key + "' must be an integer");
     }
+    if (v.is_number_unsigned() && v.get<uint64_t>() > (uint64_t) INT32_MAX) {
+        throw std::runtime_error(where + ": '" + key + "' is too large (at most 2147483647)");
+    }
     const int64_t x = v.get<int64_t>();
-    if (x < 0 || x > INT32_MAX) {
-        throw std::runtime_error(where + ": '" + key + "' must be >= 0 (got " + std::to_string(x) + ")");
+    if (x < lo || x > INT32_MAX) {
+        throw std::runtime_error(where + ": '" + key + "' must be in [" + std::to_string(lo) + ", 2147483647] (got " +
+                                 std::to_string(x) + ")");
     }
     return (int32_t) x;
 }
+
+static int32_t req_int(const json & obj, const char * key, const std::string & where, int64_t lo) {
+    if (!obj.contains(key)) {
+        throw std::runtime_error(where + ": missing '" + key + "'");
+    }
+    if (obj.at(key).is_null()) {
+        throw std::runtime_error(where + ": '" + key + "' must be an integer");
+    }
+    return get_int(obj, key, 0, where, lo);
+}
+
+static void check_provenance(const json & pj, int32_t n_layer) {
+    if (pj.is_null()) {
+        return;
+    }
+    if (!pj.is_object()) {
+        throw std::runtime_error("provenance must be an object");
+    }
+    check_keys(pj, { "model", "calibration", "signals", "date", "tool_version", "extra" }, "provenance");
+    if (pj.contains("model") && !pj.at("model").is_null()) {
+        const auto & m = pj.at("model");
+        if (!m.is_object()) {
+            throw std::runtime_error("provenance.model must be an object");
+        }
+        check_keys(m, { "name", "arch", "n_layer", "n_head", "n_head_kv", "head_dim", "n_vocab" }, "provenance.model");
+        for (const char * k : { "n_layer", "n_head", "n_head_kv", "head_dim", "n_vocab" }) {
+            if (m.contains(k) && !m.at(k).is_null() && !m.at(k).is_number_integer()) {
+                throw std::runtime_error(std::string("provenance.model.") + k + " must be an integer");
+            }
+        }
+        for (const char * k : { "name", "arch" }) {
+            if (m.contains(k) && !m.at(k).is_null() && !m.at(k).is_string()) {
+                throw std::runtime_error(std::string("provenance.model.") + k + " must be a string");
+            }
+        }
+        if (m.contains("n_layer") && !m.at("n_layer").is_null() &&
+            !(m.at("n_layer").is_number_integer() && !m.at("n_layer").is_number_unsigned() ? m.at("n_layer").get<int64_t>() == n_layer
+                                                                                         : m.at("n_layer").get<uint64_t>() == (uint64_t) n_layer)) {
+            throw std::runtime_error("provenance says the model has another number of layers than the plan");
+        }
+    }
+    if (pj.contains("calibration") && !pj.at("calibration").is_null() && !pj.at("calibration").is_string() &&
+        !pj.at("calibration").is_object()) {
+        throw std::runtime_error("provenance.calibration must be a string or an object");
+    }
+    if (pj.contains("signals") && !pj.at("signals").is_null()) {
+        const auto & sj = pj.at("signals");
+        bool ok = sj.is_array();
+        for (size_t i = 0; ok && i < sj.size(); ++i) {
+            ok = sj.at(i).is_string();
+        }
+        if (!ok) {
+            throw std::runtime_error("provenance.signals must be a list of strings");
+        }
+    }
+    for (const char * k : { "date", "tool_version" }) {
+        if (pj.contains(k) && !pj.at(k).is_null() && !pj.at(k).is_string()) {
+            throw std::runtime_error(std::string("provenance.") + k + " must be a string");
+        }
+    }
+    if (pj.contains("extra") && !pj.at("extra").is_null() && !pj.at("extra").is_object()) {
+        throw std::runtime_error("provenance.extra must be an object");
+    }
+}
+
+static void parse_phase(const json & pj, llama_polykv_phase_plan & pp, int32_t b_min, const std::string & where) {
+    if (!pj.is_object()) {
+        throw std::runtime_error(where + ": expected an object");
+    }
+    check_keys(pj, { "pattern", "budget", "share", "selection", "n_sink", "window", "obs_window", "pool_kernel" }, where);
+    if (!pj.contains("pattern") || !pj.at("pattern").is_string() ||
+        !pattern_from_name(pj.at("pattern").get<std::string>(), pp.pattern)) {
+        throw std::runtime_error(where + ": unknown pattern " + (pj.contains("pattern") ? pj.at("pattern").dump() : std::string("(none)")));
+    }
+    const bool full = pp.pattern == LLAMA_POLYKV_FULLKV;
+    // types first, for every pattern
+    const bool has_budget = pj.contains("budget") && !pj.at("budget").is_null() &&
+                            !(pj.at("budget").is_string() && pj.at("budget").get<std::string>() == "full");
+    if (has_budget && !pj.at("budget").is_number_integer()) {
+        throw std::runtime_error(where + ": budget must be an integer number of tokens or \"full\"");
+    }
+    const bool has_share = pj.contains("share") && !pj.at("share").is_null();
+    if (has_share && !pj.at("share").is_number()) {
+        throw std::runtime_error(where + ": share must be a number");
+    }
+    for (const char * k : { "n_sink", "window", "obs_window", "pool_kernel" }) {
+        if (pj.contains(k) && !pj.at(k).is_null() && !pj.at(k).is_number_integer()) {
+            throw std::runtime_error(where + ": " + k + " must be an integer");
+        }
+    }
+    pp.selection = LLAMA_POLYKV_SELECT_LAYER;
+    if (pj.contains("selection") && !pj.at("selection").is_null()) {
+        const auto & sj = pj.at("selection");
+        const std::string sel = sj.is_string() ? sj.get<std::string>() : std::string();
+        if (sel == "head") {
+            pp.selection = LLAMA_POLYKV_SELECT_HEAD;
+        } else if (sel != "layer") {
+            throw std::runtime_error(where + ": selection must be \"layer\" or \"head\"");
+        }
+    }
+    pp.budget = -1;
+    pp.share  = -1.0;
+    if (full) {
+        if (has_budget || has_share) {
+            throw std::runtime_error(where + ": a fullkv layer keeps everything; its budget must be \"full\"/null and it has no share");
+        }
+        return; // FullKV reads no parameter
+    }
+    if (has_budget == has_share) {
+        throw std::runtime_error(where + (has_budget ? ": give a budget or a share, not both" : ": needs a budget (tokens) or a share"));
+    }
+    if (has_budget) {
+        pp.budget = get_int(pj, "budget", -1, where, 1);
+        if (pp.budget < b_min) {
+            throw std::runtime_error(where + ": budget " + std::to_string(pp.budget) + " is below b_min " + std::to_string(b_min));
+        }
+    } else {
+        pp.share = pj.at("share").get<double>();
+        if (!std::isfinite(pp.share) || pp.share < 0) {
+            throw std::runtime_error(where + ": share must be a finite number >= 0");
+        }
+    }
+    const bool obs = pp.pattern == LLAMA_POLYKV_SNAPKV || pp.pattern == LLAMA_POLYKV_PYRAMIDKV;
+    if (obs && (!pj.contains("obs_window") || pj.at("obs_window").is_null())) {
+        throw std::runtime_error(where + ": needs obs_window (the observation window)");
+    }
+    pp.n_sink      = get_int(pj, "n_sink", 0, where, 0);
+    pp.window      = get_int(pj, "window", 0, where, 0);
+    pp.obs_window  = get_int(pj, "obs_window", 32, where, 1);
+    pp.pool_kernel = get_int(pj, "pool_kernel", 1, where, 1);
+    if (pp.pool_kernel % 2 == 0) {
+        throw std::runtime_error(where + ": pool_kernel must be a positive odd number");
+    }
+}
+
+// n_sink + the recent tokens the pattern always keeps (as PhasePlan.reserved)
+static int64_t reserved_tokens(const llama_polykv_phase_plan & pp, bool obs_given) {
+    int64_t recent = pp.window;
+    if ((pp.pattern == LLAMA_POLYKV_SNAPKV || pp.pattern == LLAMA_POLYKV_PYRAMIDKV) && obs_given) {
+        recent = std::max<int64_t>(recent, pp.obs_window);
+    }
+    return (int64_t) pp.n_sink + recent;
+}
+
+static std::vector<int64_t> allocate_capped(const std::vector<long double> & w, int64_t pool, int32_t b_min,
+                                            const std::vector<int32_t> & caps);
 
 bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan, std::string & err) {
     try {
@@ -66,87 +236,140 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
         if (!doc.is_object()) {
             throw std::runtime_error("the plan must be a JSON object");
         }
-        plan = llama_polykv_plan();
-        plan.version = (uint32_t) get_int(doc, "version", 0, "plan");
-        if (plan.version != 1) {
-            throw std::runtime_error("unsupported plan format version " + std::to_string(plan.version) + " (this build reads version 1)");
+        if (doc.contains("format") && !(doc.at("format").is_string() && doc.at("format").get<std::string>() == "polykv-plan")) {
+            throw std::runtime_error("not a PolyKV plan (format must be \"polykv-plan\")");
         }
-        plan.n_layer     = get_int(doc, "n_layer", 0, "plan");
-        plan.budget_avg  = get_int(doc, "budget_avg", 0, "plan");
-        plan.b_min       = get_int(doc, "b_min", 1, "plan");
-        plan.full_charge = doc.contains("full_charge") && !doc.at("full_charge").is_null() ? get_int(doc, "full_charge", 0, "plan") : -1;
+        if (!doc.contains("version") || !doc.at("version").is_number_integer()) {
+            throw std::runtime_error("plan has no integer 'version'");
+        }
+        if (!(doc.at("version").is_number_unsigned() ? doc.at("version").get<uint64_t>() == 1 : doc.at("version").get<int64_t>() == 1)) {
+            throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
+        }
+        check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
+                          "full_charge", "layers", "provenance" }, "plan");
+        plan = llama_polykv_plan();
+        plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
+        plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
+        plan.b_min      = req_int(doc, "b_min", "plan", 0);
+        if (plan.b_min > plan.budget_avg) {
+            throw std::runtime_error("b_min " + std::to_string(plan.b_min) + " is larger than budget_avg " + std::to_string(plan.budget_avg));
+        }
+        if (!doc.contains("budget_rule") || !doc.at("budget_rule").is_string() || doc.at("budget_rule").get<std::string>().empty()) {
+            throw std::runtime_error("plan: 'budget_rule' must be a non-empty string");
+        }
+        if (doc.contains("exact_total") && !doc.at("exact_total").is_boolean()) {
+            throw std::runtime_error("plan: 'exact_total' must be true or false");
+        }
         plan.exact_total = doc.value("exact_total", true);
+        plan.full_charge = get_int(doc, "full_charge", -1, "plan", 1);
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");
         }
         const auto & layers = doc.at("layers");
-        if ((int32_t) layers.size() != plan.n_layer) {
+        // the layers' own types are checked before their count and order, as Plan.from_dict does
+        for (size_t i = 0; i < layers.size(); ++i) {
+            const auto & lj = layers.at(i);
+            const std::string where = "layers[" + std::to_string(i) + "]";
+            if (!lj.is_object()) {
+                throw std::runtime_error(where + ": expected an object");
+            }
+            check_keys(lj, { "layer", "prefill", "decode" }, where);
+            if (!lj.contains("layer") || !lj.at("layer").is_number_integer()) {
+                throw std::runtime_error(where + ": 'layer' must be an integer index");
+            }
+            for (const char * ph : { "prefill", "decode" }) {
+                if (!lj.contains(ph)) {
+                    throw std::runtime_error(where + ": missing '" + ph + "'");
+                }
+            }
+        }
+        check_provenance(doc.contains("provenance") ? doc.at("provenance") : json(), plan.n_layer);
+        if ((int64_t) layers.size() != plan.n_layer) {
             throw std::runtime_error("plan: n_layer is " + std::to_string(plan.n_layer) + " but 'layers' has " + std::to_string(layers.size()) + " entries");
         }
         plan.layers.resize(plan.n_layer);
-        std::vector<bool> seen(plan.n_layer, false);
-        for (const auto & lj : layers) {
-            const int32_t il = get_int(lj, "layer", -1, "plan layer");
-            if (il < 0 || il >= plan.n_layer || seen[il]) {
-                throw std::runtime_error("plan: bad or repeated layer index " + std::to_string(il));
+        std::array<std::vector<bool>, 2> obs_given = { std::vector<bool>(plan.n_layer), std::vector<bool>(plan.n_layer) };
+        for (int32_t il = 0; il < plan.n_layer; ++il) {
+            const auto & lj = layers.at(il);
+            const auto & idx = lj.at("layer");
+            if (idx.is_number_unsigned() ? idx.get<uint64_t>() != (uint64_t) il : idx.get<int64_t>() != il) {
+                throw std::runtime_error("layer entry " + std::to_string(il) + " has index " + idx.dump() + "; layers must be listed in order");
             }
-            seen[il] = true;
             const char * phase_names[2] = { "prefill", "decode" };
             for (int p = 0; p < 2; ++p) {
                 const std::string where = "layer " + std::to_string(il) + " " + phase_names[p];
-                if (!lj.contains(phase_names[p]) || !lj.at(phase_names[p]).is_object()) {
-                    throw std::runtime_error(where + ": missing");
-                }
+                parse_phase(lj.at(phase_names[p]), plan.layers[il][p], plan.b_min, where);
                 const auto & pj = lj.at(phase_names[p]);
-                auto & pp = plan.layers[il][p];
-                if (!pj.contains("pattern") || !pj.at("pattern").is_string() ||
-                    !pattern_from_name(pj.at("pattern").get<std::string>(), pp.pattern)) {
-                    throw std::runtime_error(where + ": unknown pattern " + (pj.contains("pattern") ? pj.at("pattern").dump() : std::string("(none)")));
-                }
-                pp.budget = -1;
-                pp.share  = -1.0;
-                if (pp.pattern != LLAMA_POLYKV_FULLKV) {
-                    if (pj.contains("share") && !pj.at("share").is_null()) {
-                        if (!pj.at("share").is_number() || pj.at("share").get<double>() < 0) {
-                            throw std::runtime_error(where + ": share must be a number >= 0");
-                        }
-                        pp.share = pj.at("share").get<double>();
-                    } else {
-                        pp.budget = get_int(pj, "budget", -1, where);
-                        if (pp.budget < 1) {
-                            throw std::runtime_error(where + ": budget must be a positive number of tokens");
-                        }
-                    }
-                }
-                pp.n_sink      = get_int(pj, "n_sink", 0, where);
-                pp.window      = get_int(pj, "window", 0, where);
-                pp.obs_window  = get_int(pj, "obs_window", 32, where);
-                pp.pool_kernel = get_int(pj, "pool_kernel", 1, where);
-                if (pp.pool_kernel < 1 || pp.pool_kernel % 2 == 0) {
-                    throw std::runtime_error(where + ": pool_kernel must be a positive odd number");
-                }
-                if (pj.contains("selection") && !pj.at("selection").is_null()) {
-                    const auto & sj = pj.at("selection");
-                    const std::string sel = sj.is_string() ? sj.get<std::string>() : std::string();
-                    if (sel == "layer") {
-                        pp.selection = LLAMA_POLYKV_SELECT_LAYER;
-                    } else if (sel == "head") {
-                        pp.selection = LLAMA_POLYKV_SELECT_HEAD;
-                    } else {
-                        throw std::runtime_error(where + ": selection must be \"layer\" or \"head\"");
-                    }
-                }
+                obs_given[p][il] = pj.contains("obs_window") && !pj.at("obs_window").is_null();
             }
             const auto & lp = plan.layers[il];
             if (lp[1].prefill_only()) {
                 throw std::runtime_error("layer " + std::to_string(il) + " decode: " + k_pattern_names[lp[1].pattern] +
                                          " scores a prompt once; it is a prefill pattern only");
             }
-            if (lp[0].per_head() && lp[1].per_head() == false && lp[1].pattern != LLAMA_POLYKV_FULLKV && lp[1].pattern != LLAMA_POLYKV_STREAMINGLLM) {
-                throw std::runtime_error("layer " + std::to_string(il) + ": prefill selects per head but decode per layer; a layer selects one way in both phases");
+            const bool scored0 = lp[0].pattern != LLAMA_POLYKV_FULLKV && lp[0].pattern != LLAMA_POLYKV_STREAMINGLLM;
+            const bool scored1 = lp[1].pattern != LLAMA_POLYKV_FULLKV && lp[1].pattern != LLAMA_POLYKV_STREAMINGLLM;
+            if (scored0 && scored1 && lp[0].per_head() != lp[1].per_head()) {
+                throw std::runtime_error("layer " + std::to_string(il) + ": one phase selects per head and the other per layer; a layer selects one way in both phases");
             }
-            if (lp[1].per_head() && lp[0].per_head() == false && lp[0].pattern != LLAMA_POLYKV_FULLKV && lp[0].pattern != LLAMA_POLYKV_STREAMINGLLM) {
-                throw std::runtime_error("layer " + std::to_string(il) + ": decode selects per head but prefill per layer; a layer selects one way in both phases");
+        }
+        // per phase: one form (budget or share), the total, and sinks + windows within each budget
+        for (int p = 0; p < 2; ++p) {
+            std::vector<int32_t> budgeted;
+            int32_t n_share = 0;
+            for (int32_t il = 0; il < plan.n_layer; ++il) {
+                const auto & pp = plan.layers[il][p];
+                if (pp.pattern != LLAMA_POLYKV_FULLKV) {
+                    budgeted.push_back(il);
+                    n_share += pp.share >= 0;
+                }
+            }
+            if (budgeted.empty()) {
+                continue;
+            }
+            const std::string ph = p == 0 ? "prefill" : "decode";
+            if (n_share > 0 && n_share != (int32_t) budgeted.size()) {
+                throw std::runtime_error(ph + ": layers mix 'budget' and 'share'; use one form per phase");
+            }
+            const int64_t n_full = plan.n_layer - (int64_t) budgeted.size();
+            if (n_full > 0 && plan.full_charge < 0 && (n_share > 0 || plan.exact_total)) {
+                throw std::runtime_error(ph + ": the plan has FullKV layers but no full_charge");
+            }
+            const int64_t pool = (int64_t) plan.n_layer * plan.budget_avg - n_full * std::max<int64_t>(plan.full_charge, 0);
+            std::vector<int64_t> tokens(budgeted.size());
+            if (n_share > 0) {
+                long double total = 0;
+                std::vector<long double> w;
+                for (int32_t il : budgeted) {
+                    w.push_back(plan.layers[il][p].share);
+                    total += plan.layers[il][p].share;
+                }
+                if (std::fabs((double) total - 1.0) > 1e-6) {
+                    throw std::runtime_error(ph + ": shares must sum to 1");
+                }
+                if (pool < (int64_t) budgeted.size() * plan.b_min) {
+                    throw std::runtime_error(ph + ": the FullKV layers leave less than b_min for the others");
+                }
+                tokens = allocate_capped(w, pool - (int64_t) budgeted.size() * plan.b_min, plan.b_min,
+                                         std::vector<int32_t>(budgeted.size(), 0));
+            } else {
+                int64_t got = 0;
+                for (size_t k = 0; k < budgeted.size(); ++k) {
+                    tokens[k] = plan.layers[budgeted[k]][p].budget;
+                    got += tokens[k];
+                }
+                if (plan.exact_total && got != pool) {
+                    throw std::runtime_error(ph + ": budgets sum to " + std::to_string(got) + ", expected " + std::to_string(pool) +
+                                             " (n_layer*budget_avg less the FullKV charges; exact_total is set)");
+                }
+            }
+            for (size_t k = 0; k < budgeted.size(); ++k) {
+                const int32_t il = budgeted[k];
+                const auto & pp = plan.layers[il][p];
+                if (reserved_tokens(pp, obs_given[p][il]) > tokens[k]) {
+                    throw std::runtime_error("layer " + std::to_string(il) + " " + ph + ": sinks + recent window exceed the budget " +
+                                             std::to_string(tokens[k]));
+                }
             }
         }
     } catch (const std::exception & e) {
