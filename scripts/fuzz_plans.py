@@ -2,7 +2,7 @@
 """Differential fuzz of the plan parsers: Python's `Plan.from_json(...).validate()` against the native
 `llama_polykv_set_model_plan` (#16 item 1), on mutated plan texts.
 
-    python scripts/fuzz_plans.py [--seconds 30 | --execs N] [--seed S] [--corpus tests/fuzz_corpus]
+    python scripts/fuzz_plans.py [--seconds 30 | --execs N] [--seed S] [--corpus DIR]
 
 Seeds: the shipped plans in plans/, plans made by the registry (every pattern, per layer and per head), and the
 files of the corpus. Each input is mutated structurally (a value replaced by a hostile one, a key dropped or
@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=2000, help="inputs per worker process")
     ap.add_argument("--run-every", type=int, default=200, help="decode with every Nth natively accepted input")
-    ap.add_argument("--corpus", default=str(ROOT / "tests" / "fuzz_corpus"), help="seeds in, findings out")
+    ap.add_argument("--corpus", default="fuzz-plans", help="extra seeds in (*.json), findings out (*.finding); "
+                    "default ./fuzz-plans")
     args = ap.parse_args(argv)
 
     from tiny_models import TinyConfig, write_tiny_gguf

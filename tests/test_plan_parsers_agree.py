@@ -38,6 +38,7 @@ CASES = {
     "good": (json.dumps(GOOD), True),
     "unknown top-level key": (edit(GOOD, ["colour"], "red"), False),
     "unknown phase key": (edit(GOOD, ["layers", 0, "decode", "b_min"], 3), False),
+    "empty key": (edit(GOOD, ["layers", 1, "prefill", ""], 0), False),
     "budgets do not sum to n_layer x budget_avg": (edit(GOOD, ["layers", 0, "prefill", "budget"], 40), False),
     "budgets do not sum, exact_total false": (edit(edit(GOOD, ["exact_total"], False), ["layers", 0, "prefill",
                                                                                         "budget"], 40), True),

@@ -50,16 +50,17 @@ bool llama_polykv_phase_plan::per_head() const {
 
 static void check_keys(const json & obj, std::initializer_list<const char *> allowed, const std::string & where) {
     std::string unknown;
+    int n_unknown = 0;
     for (auto it = obj.begin(); it != obj.end(); ++it) {
         bool ok = false;
         for (const char * k : allowed) {
             ok = ok || it.key() == k;
         }
         if (!ok) {
-            unknown += (unknown.empty() ? "" : ", ") + it.key();
+            unknown += (n_unknown++ ? ", \"" : "\"") + it.key() + "\"";
         }
     }
-    if (!unknown.empty()) {
+    if (n_unknown > 0) {
         throw std::runtime_error(where + ": unknown field(s) " + unknown);
     }
 }
