@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 class Case:
     what: str        # the input, in words
     tried: str       # what was fed
-    argv: list[str]  # the command ("{cli}" = polykv-cpp, "{completion}" = llama-completion, "{py}" = python -c)
+    argv: list[str]  # the command ("{cli}" = polykv-cpp, "{py}" = python -c)
     env: dict[str, str] | None = None
     accepted: bool = False  # a bad-looking input that is valid on purpose: exit 0 expected
 
@@ -147,19 +147,15 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
         run(str(model), *prompt[:-3], "-c", "0", what="CLI flags", tried="`-c 0`", accepted=True),
         run(str(model), "--prefill-mode", "bogus", *prompt, what="CLI flags", tried="`--prefill-mode bogus`"),
         run(str(model), "-f", str(work / "missing.txt"), "-n", "4", what="CLI flags", tried="`-f` missing file"),
-        Case("environment", "`LLAMA_POLYKV_PLAN` = missing file", ["{completion}", "-m", str(model), *prompt[:4],
-                                                                   "-no-cnv"],
+        Case("environment", "`LLAMA_POLYKV_PLAN` = missing file", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "missing.json")}),
-        Case("environment", "`LLAMA_POLYKV_PLAN` = truncated JSON", ["{completion}", "-m", str(model), *prompt[:4],
-                                                                     "-no-cnv"],
+        Case("environment", "`LLAMA_POLYKV_PLAN` = truncated JSON", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": p("truncated JSON")}),
-        Case("environment", "`LLAMA_POLYKV_KV_BUDGET=abc`", ["{completion}", "-m", str(model), *prompt[:4], "-no-cnv"],
+        Case("environment", "`LLAMA_POLYKV_KV_BUDGET=abc`", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_KV_BUDGET": "abc"}),
-        Case("environment", "`LLAMA_POLYKV_PREFILL=sideways`", ["{completion}", "-m", str(model), *prompt[:4],
-                                                                "-no-cnv"],
+        Case("environment", "`LLAMA_POLYKV_PREFILL=sideways`", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_PREFILL": "sideways"}),
-        Case("environment", "`LLAMA_POLYKV_PREFILL_SLACK=-1`", ["{completion}", "-m", str(model), *prompt[:4],
-                                                                "-no-cnv"],
+        Case("environment", "`LLAMA_POLYKV_PREFILL_SLACK=-1`", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_PREFILL_SLACK": "-1"}),
         Case("C API", "`llama_polykv_get_kept_positions` of layer 99 in a 2-layer model",
              ["{py}", _C_API.format(model=str(model))]),
@@ -220,6 +216,20 @@ with Model({model!r}) as model:
 sys.exit(1 if n < 0 else 0)
 """
 
+# a program on the library that sets no plan itself, so the environment's applies (as in the stock tools)
+_ENV = r"""
+import sys
+from polykv_cpp.api import Model
+from polykv_cpp.errors import PolyKVError
+with Model({model!r}) as model:
+    try:
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(list(range(2, 40)))
+    except PolyKVError as e:
+        print(f"error: {{e}}", file=sys.stderr)
+        sys.exit(2)
+"""
+
 _STATE = r"""
 import sys
 from polykv_cpp.api import Model
@@ -244,31 +254,21 @@ with Model({model!r}) as model:
 
 
 def run_case(case: Case, work: Path) -> Outcome:
-    from polykv_cpp._native import bin_dir
-
     argv = []
     for a in case.argv:
         if a == "{cli}":
             argv += _cli()
-        elif a == "{completion}":
-            argv.append(str(bin_dir() / "llama-completion"))
         elif a == "{py}":
             argv += [sys.executable, "-c"]
         else:
             argv.append(a)
     env = {**os.environ, **(case.env or {})}
-    # the stock tools' log is asynchronous and the pinned llama.cpp leaks it at exit (common/log.cpp): a run can
-    # lose its last lines, so a stock run that printed no error is run again
-    tries = 4 if case.argv[0] == "{completion}" else 1
-    for _ in range(tries):
-        try:
-            proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=300, env=env,
-                                  cwd=work, stdin=subprocess.DEVNULL)
-        except subprocess.TimeoutExpired:
-            return Outcome(case, -999, "timed out after 300 s", False)
-        rc, err = proc.returncode, proc.stderr + proc.stdout
-        if "error" in err.lower() or "graphs reused" in err:
-            break
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, errors="replace", timeout=300, env=env, cwd=work,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return Outcome(case, -999, "timed out after 300 s", False)
+    rc, err = proc.returncode, proc.stderr + proc.stdout
     msg = _message(proc.stderr if case.accepted else err).replace(str(work), "<work>")
     crashed = rc < 0 or "Traceback (most recent call last)" in err
     ok = not crashed and ((rc == 0) if case.accepted else (rc != 0 and bool(msg)))
@@ -320,7 +320,10 @@ HEADER = """# Bad inputs: what the user gets
 Made by `python scripts/bad_inputs.py --out docs/bad-inputs.md` (tiny random models written by the script; each
 case in its own process, so a native crash would show as a negative exit code). "ok": the process exited
 non-zero with a message and without a Python traceback or a signal (or zero for an input accepted on purpose),
-and no model file changed. `tests/test_bad_inputs.py` runs it.
+and no model file changed. `tests/test_bad_inputs.py` runs it. The environment variables are read by the library
+(here a program that sets no plan itself); the stock tools print the same messages through llama.cpp's log, which
+the pinned llama.cpp can cut short when a tool exits at once (its asynchronous logger is leaked on purpose,
+`common/log.cpp`).
 
 """
 

@@ -44,7 +44,7 @@ def run_cli(cli_exe, *args, timeout=600, env=None):
                           timeout=timeout, env=env)
 
 
-def run_stock(cmd, *, done=lambda p: "graphs reused" in p.stderr or "error" in p.stderr, tries=4, before_retry=None,
+def run_stock(cmd, *, done=lambda p: "graphs reused" in p.stderr or "error" in p.stderr, tries=8, before_retry=None,
               **kwargs):
     """Run a stock llama.cpp tool, again while its log is cut short. The pinned llama.cpp leaks its asynchronous
     logger on purpose (common/log.cpp, `common_log_main`): a tool that exits while the log thread lags loses the
