@@ -124,7 +124,6 @@ def mutate_bytes(data: bytes, rng: random.Random, other: bytes) -> bytes:
 
 WORKER = r"""
 import json, math, sys
-sys.path.insert(0, sys.argv[3])
 from pathlib import Path
 from polykv_cpp import _native, plan as P
 from polykv_cpp.api import Model
@@ -170,8 +169,10 @@ print(json.dumps(out))
 def run_batch(batch: list[bytes], model: Path, every: int, tmp: Path) -> tuple[list, bytes | None, str]:
     inputs, current = tmp / "inputs.json", tmp / "current.bin"
     inputs.write_text(json.dumps([b.hex() for b in batch]))
+    # run in the temporary folder: the worker imports the polykv_cpp that is installed (or on PYTHONPATH), not a
+    # source tree that happens to be the current directory
     proc = subprocess.run([sys.executable, "-c", WORKER, str(inputs), str(current), str(ROOT), str(every),
-                           str(model)], capture_output=True, text=True, timeout=1800)
+                           str(model)], capture_output=True, text=True, timeout=1800, cwd=tmp)
     if proc.returncode != 0:
         crashed = current.read_bytes() if current.exists() else None
         return [], crashed, f"worker exit {proc.returncode}: {proc.stderr[-500:]}"
@@ -215,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             results, crashed, why = run_batch(batch, model, args.run_every, tmp)
             if crashed is not None or why:
                 findings["crash-" + hashlib.sha1(crashed or b"").hexdigest()[:12]] = crashed or b""
-                print(f"native crash: {why}", file=sys.stderr)
+                print(f"the worker died: {why}", file=sys.stderr)
                 continue
             for raw, (py, nat, err, ran) in zip(batch, results):
                 stats["execs"] += 1
