@@ -11,7 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
 build="${SANITIZE_BUILD:-build/sanitize}"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+version=$(python -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSKBUILD_PROJECT_VERSION="$version" \
     -DLLAMA_SANITIZE_ADDRESS=ON -DLLAMA_SANITIZE_UNDEFINED=ON -DGGML_SANITIZE_ADDRESS=ON -DGGML_SANITIZE_UNDEFINED=ON \
     -DGGML_NATIVE=ON >"$build.configure.log" 2>&1 || { tail -30 "$build.configure.log"; exit 1; }
 cmake --build "$build" --target llama llama-completion -j "$(nproc)"
