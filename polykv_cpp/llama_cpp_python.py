@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import hashlib
 import os
 import subprocess
 import sys
@@ -43,11 +42,9 @@ def _cached_sdist() -> Path | None:
     path = base / "sdist" / SDIST_FILE
     if not path.is_file():
         return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return path if digest.hexdigest() == SDIST_SHA256 else None
+    from polykv_cpp.models import _sha256_file
+
+    return path if _sha256_file(path) == SDIST_SHA256 else None
 
 
 def install_command() -> tuple[list[str], dict[str, str]]:
