@@ -120,7 +120,9 @@ def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
     exact = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar, "--prefill-mode", "exact", "-p", "the cat " * 20,
                     "-n", "4", "-c", "2048", "-ub", "128", "--no-echo", "-v")
     assert exact.returncode == 0, exact.stderr[-2000:]
-    assert "saved 0.0%" in exact.stderr and "used 32" in exact.stderr  # whole-prompt caches, compressed once
+    # whole-prompt caches of n_ctx cells until the compression, then the plan's 160 cells
+    assert f"saved {100 * (1 - cells / 2048):.1f}%; exact prefill (the prompt was held whole" in exact.stderr
+    assert "used 32" in exact.stderr and "capacity 160 " in exact.stderr
     # slack 4: 4 x 32 + 128 cells while the 100-token prompt streams, 32 kept once the answer starts
     slack = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar, "--prefill-slack", "4", "-p", "the cat and the dog " * 20,
                     "-n", "4", "-c", "2048", "-ub", "128", "--no-echo", "-v")

@@ -11,6 +11,7 @@
 #include <map>
 #include <numeric>
 #include <stdexcept>
+#include <type_traits>
 
 int32_t llama_kv_cache_poly::group::ring_size() const {
     int32_t w = collect_all ? LLAMA_POLYKV_PORTABLE_OBS_WINDOW : 0;
@@ -777,6 +778,64 @@ void llama_kv_cache_poly::compact(group & grp) {
         for (size_t k = 0; k < grp.ring.size(); ++k) {
             grp.ring[k][i] = it->second.ring[k];
         }
+    }
+}
+
+void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
+    const uint32_t old_cap = grp.capacity;
+    if (cap == old_cap) {
+        return;
+    }
+    auto used_prefix = [&grp](uint32_t & n_used) {
+        const auto & cells = grp.kv->get_cells(0);
+        bool packed = true;
+        n_used = 0;
+        for (uint32_t i = 0; i < cells.size(); ++i) {
+            if (!cells.is_empty(i)) {
+                packed &= i == n_used;
+                ++n_used;
+            }
+        }
+        return packed;
+    };
+    uint32_t n_used = 0;
+    if (!used_prefix(n_used)) {
+        if (grp.per_head) {
+            repack(grp);
+        } else {
+            compact(grp);
+        }
+    }
+    if (!used_prefix(n_used) || n_used > cap) {
+        throw std::runtime_error("PolyKV: a group holding " + std::to_string(n_used) + " cells cannot move into " +
+                                 std::to_string(cap) + " cells");
+    }
+    // the used cells are 0..n_used-1, and a whole-cache restore puts them at the same cells of the new cache, so
+    // the per-cell state keeps its indices
+    polykv_io_write w;
+    grp.kv->state_write(w);
+    grp.kv.reset();
+    grp.kv = new_group_cache(grp, cap);
+    polykv_io_read r(w.buf);
+    grp.kv->state_read(r);
+    grp.capacity = cap;
+
+    const uint32_t n_copy = std::min(old_cap, cap);
+    auto move_slots = [n_copy, old_cap, cap](auto & v, size_t n_slots, auto fill) {
+        std::remove_reference_t<decltype(v)> out(n_slots * cap, fill);
+        for (size_t s = 0; s < n_slots; ++s) {
+            std::copy_n(v.begin() + s*old_cap, n_copy, out.begin() + s*cap);
+        }
+        v.swap(out);
+    };
+    for (auto * v : { &grp.acc, &grp.last, &grp.knorm, &grp.zmax, &grp.ea }) {
+        move_slots(*v, grp.n_slots(), 0.0f);
+    }
+    for (auto & row : grp.ring) {
+        move_slots(row, grp.n_slots(), 0.0f);
+    }
+    if (grp.per_head) {
+        move_slots(grp.hpos, grp.n_head_kv, (llama_pos) -1);
     }
 }
 

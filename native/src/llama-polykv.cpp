@@ -160,7 +160,8 @@ llama_kv_cache_poly::llama_kv_cache_poly(
                      bool   offload,
                  uint32_t   n_ctx,
                  uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
-                                        v_trans(v_trans), prefill_exact(prefill_mode != 0), portable(prefill_mode == 2),
+                                        n_ubatch(n_ubatch), v_trans(v_trans), offload(offload), type_k(type_k), type_v(type_v),
+                                        prefill_exact(prefill_mode != 0), portable(prefill_mode == 2),
                                         prefill_slack(prefill_mode == 0 ? std::max(1.0f, prefill_slack) : 1.0f) {
     const int32_t n_layer = (int32_t) hparams.n_layer();
     layer_group.assign(n_layer, -1);
@@ -202,6 +203,12 @@ llama_kv_cache_poly::llama_kv_cache_poly(
 
     for (size_t g = 0; g < groups.size(); ++g) {
         auto & grp = groups[g];
+        // on GPUs, multiples of 256 keep the fast flash-attention kernels usable; the CPU needs no padding
+        for (int32_t il : grp.layers) {
+            if (offload && ggml_backend_dev_type(model.dev_layer(il)) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+                grp.pad = 256;
+            }
+        }
         uint32_t cap = 0;
         for (int p = 0; p < 2; ++p) {
             const auto & pp = grp.phase[p];
@@ -215,14 +222,8 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             }
             cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + n_ubatch);
         }
-        // on GPUs, multiples of 256 keep the fast flash-attention kernels usable; the CPU needs no padding
-        uint32_t pad = 32;
-        for (int32_t il : grp.layers) {
-            if (offload && ggml_backend_dev_type(model.dev_layer(il)) != GGML_BACKEND_DEVICE_TYPE_CPU) {
-                pad = 256;
-            }
-        }
-        grp.capacity = std::min(n_ctx, pad_to(cap, pad));
+        grp.capacity = std::min(n_ctx, pad_to(cap, grp.pad));
+        grp.capacity_max = grp.capacity;
         if (grp.per_head) {
             const int32_t il = grp.layers.front();
             if (hparams.n_embd_head_k(il) % ggml_blck_size(type_k) != 0 || hparams.n_embd_head_v(il) % ggml_blck_size(type_v) != 0) {
@@ -231,16 +232,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             }
         }
 
-        std::vector<bool> member(n_layer, false);
-        for (int32_t il : grp.layers) {
-            member[il] = true;
-        }
-        const std::string tag = "_pkv" + std::to_string(g);
-        grp.kv = std::make_unique<llama_kv_cache>(
-                model, hparams, type_k, type_v, v_trans, offload, /*unified*/ true, grp.capacity,
-                /*n_seq_max*/ 1, /*n_pad*/ 1, grp.is_swa ? hparams.n_swa : 0,
-                grp.is_swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE, nullptr,
-                [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
+        grp.kv = new_group_cache(grp, grp.capacity);
         const size_t n_state = (size_t) grp.n_slots() * grp.capacity;
         grp.acc.assign(n_state, 0.0f);
         grp.last.assign(n_state, 0.0f);
@@ -257,6 +249,60 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             grp.hpos.assign((size_t) grp.n_head_kv * grp.capacity, -1);
         }
     }
+}
+
+std::unique_ptr<llama_kv_cache> llama_kv_cache_poly::new_group_cache(const group & grp, uint32_t cap) const {
+    std::vector<bool> member(hparams.n_layer(), false);
+    for (int32_t il : grp.layers) {
+        member[il] = true;
+    }
+    const std::string tag = "_pkv" + std::to_string(&grp - groups.data());
+    return std::make_unique<llama_kv_cache>(
+            model, hparams, type_k, type_v, v_trans, offload, /*unified*/ true, cap,
+            /*n_seq_max*/ 1, /*n_pad*/ 1, grp.is_swa ? hparams.n_swa : 0,
+            grp.is_swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE, nullptr,
+            [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
+}
+
+uint32_t llama_kv_cache_poly::compressed_capacity(const group & grp) const {
+    uint32_t cap = 0;
+    for (const auto & pp : grp.phase) {
+        uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget;
+        if (grp.is_swa) {
+            keep = std::min(keep, hparams.n_swa);
+        }
+        cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + n_ubatch);
+    }
+    return std::min(grp.capacity_max, pad_to(cap, grp.pad));
+}
+
+void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
+    grp.kv.reset(); // the old buffers go before the new ones are allocated
+    grp.kv = new_group_cache(grp, cap);
+    grp.capacity = cap;
+    if (grp.per_head) {
+        grp.hpos.assign((size_t) grp.n_head_kv * cap, -1);
+    }
+    for (auto * v : { &grp.acc, &grp.last, &grp.knorm, &grp.zmax, &grp.ea }) {
+        v->assign((size_t) grp.n_slots() * cap, 0.0f);
+    }
+    grp.ring.clear();
+}
+
+bool llama_kv_cache_poly::make_room(group & grp, uint32_t n_tokens) {
+    if (!prefill_exact || grp.capacity >= grp.capacity_max) {
+        return false;
+    }
+    uint32_t n_used = 0;
+    const auto & cells = grp.kv->get_cells(0);
+    for (uint32_t i = 0; i < cells.size(); ++i) {
+        n_used += !cells.is_empty(i);
+    }
+    if (n_used + n_tokens > grp.capacity_max) {
+        return false;
+    }
+    resize(grp, grp.capacity_max); // the prompt that comes is kept whole until its compression
+    return true;
 }
 
 llama_memory_context_ptr llama_kv_cache_poly::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
@@ -297,6 +343,9 @@ bool llama_kv_cache_poly::get_can_shift() const {
 
 void llama_kv_cache_poly::clear(bool data) {
     for (auto & grp : groups) {
+        if (grp.capacity != grp.capacity_max) {
+            reset_capacity(grp, grp.capacity_max); // the next prompt is kept whole (exact modes)
+        }
         grp.kv->clear(data);
         std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
@@ -512,6 +561,10 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
         auto & grp = groups[g];
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));
+        // exact modes save either the whole prompt's caches or the compressed ones of the same plan
+        if (cap != grp.capacity && prefill_exact && (cap == grp.capacity_max || cap == compressed_capacity(grp))) {
+            reset_capacity(grp, cap);
+        }
         if (cap != grp.capacity) {
             throw std::runtime_error("PolyKV: the saved state has different cache sizes (plan, budget or context size changed)");
         }
@@ -670,6 +723,11 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
         if (prefill_exact && grp.n_evicted > n0 && !grp.per_head) { // per-head eviction repacks by itself
             compact(grp);
         }
+        // exact modes hold the whole prompt in n_ctx cells until now: give back what the plan no longer needs
+        const uint32_t cap = compressed_capacity(grp);
+        if (prefill_exact && cap < grp.capacity) {
+            resize(grp, cap);
+        }
     }
     prompt_pending = false;
     return n_freed;
@@ -800,15 +858,25 @@ bool llama_kv_cache_poly_context::apply() {
     // lazy slotting: the cells freed by the eviction after the previous ubatch are reused now
     const auto & ubatch = ubatches[i_cur];
     try {
+        group_ctxs.clear(); // they refer to the groups' caches, which a compression may replace
         kv->before_ubatch(ubatch); // may compress the prompt (exact modes); no exception may leave llama_decode
     } catch (const std::exception & e) {
         LLAMA_LOG_ERROR("%s: PolyKV: compressing the prompt failed: %s\n", __func__, e.what());
         return false;
     }
-    group_ctxs.clear();
     for (uint32_t g = 0; g < kv->n_groups(); ++g) {
         auto & grp = kv->get_group(g);
         auto sinfo = grp.kv->find_slot(ubatch, false);
+        if (sinfo.empty()) {
+            try {
+                if (kv->make_room(grp, ubatch.n_tokens)) {
+                    sinfo = grp.kv->find_slot(ubatch, false);
+                }
+            } catch (const std::exception & e) {
+                LLAMA_LOG_ERROR("%s: PolyKV: growing group %u failed: %s\n", __func__, g, e.what());
+                return false;
+            }
+        }
         if (sinfo.empty()) {
             LLAMA_LOG_ERROR("%s: PolyKV group %u (layers %d..%d, %u cells) has no room for %u tokens: the context is full\n",
                     __func__, g, grp.layers.front(), grp.layers.back(), grp.capacity, ubatch.n_tokens);

@@ -53,6 +53,8 @@ public:
         std::array<llama_polykv_phase_plan, 2> phase;
 
         uint32_t capacity  = 0;
+        uint32_t capacity_max = 0; // what the group may hold (exact modes: n_ctx); capacity shrinks after a compression
+        uint32_t pad = 32;         // cell counts are multiples of it
         uint64_t n_evicted = 0;
 
         // per-head selection (groups of one layer): every KV head keeps its own tokens in the group's cells;
@@ -206,7 +208,11 @@ private:
     llama_polykv_plan plan;
 
     const uint32_t n_ctx;
+    const uint32_t n_ubatch;
     const bool v_trans;
+    const bool offload;
+    const ggml_type type_k;
+    const ggml_type type_v;
 
     // exact prefill: keep the whole prompt, compress it once when decoding starts (caches of n_ctx cells);
     // portable (mode 2): also one group per layer that keeps the score state of every pattern, so that the
@@ -247,6 +253,20 @@ private:
     void evict(group & grp, const llama_polykv_phase_plan & pp);
     // per-head groups: move each head's kept tokens into the first cells and relabel the stock cells
     void repack(group & grp);
+
+    // the stock cache of a group with cap cells
+    std::unique_ptr<llama_kv_cache> new_group_cache(const group & grp, uint32_t cap) const;
+    // cells a group needs once its prompt is compressed: the larger phase budget + one ubatch (padded)
+    uint32_t compressed_capacity(const group & grp) const;
+    // move a group's cells into a cache of cap cells, with their score state (the kept cells must fit; they are
+    // compacted first): exact modes shrink the caches after a compression, and grow them for the next prompt
+    void resize(group & grp, uint32_t cap);
+    // an empty group cache of cap cells, its score state zeroed
+    void reset_capacity(group & grp, uint32_t cap);
+
+public:
+    // exact modes: a group without room for n_tokens more cells grows back to capacity_max; false if it cannot
+    bool make_room(group & grp, uint32_t n_tokens);
 };
 
 class llama_kv_cache_poly_context : public llama_memory_context_i {
