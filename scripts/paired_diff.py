@@ -31,6 +31,16 @@ def method_scores(records: list[dict], protocol: str) -> dict[str, dict[str, dic
     return scores
 
 
+def common_samples(scores: dict[str, dict[str, dict[tuple, float]]]) -> tuple[dict, int]:
+    """The scores restricted to the (task, sample) pairs every method has, so that the pairing holds when one
+    method's run is incomplete; and how many results that left out."""
+    tasks = set.intersection(*(set(v) for v in scores.values())) if scores else set()
+    shared = {t: set.intersection(*(set(v[t]) for v in scores.values())) for t in tasks}
+    out = {m: {t: {k: v[t][k] for k in sorted(shared[t])} for t in tasks if shared[t]} for m, v in scores.items()}
+    n_dropped = sum(len(s) for v in scores.values() for s in v.values()) - sum(len(s) for v in out.values() for s in v.values())
+    return out, n_dropped
+
+
 def task_average(by_task: dict[str, dict[tuple, float]]) -> float:
     """The score (0-100) the report gives a method: the mean over tasks of its mean over their samples."""
     return 100 * float(np.mean([np.mean(list(v.values())) for v in by_task.values()]))
@@ -41,8 +51,16 @@ def main(argv=None) -> int:
     p.add_argument("results", help="results.json of polykv-cpp eval")
     p.add_argument("--base", default="snapkv", help="the method the others are compared with (default snapkv)")
     p.add_argument("--protocol", default="query-aware")
+    p.add_argument("--only", help="compare only these methods (comma-separated; the base and fullkv are added)")
     args = p.parse_args(argv)
     scores = method_scores(json.load(open(args.results))["records"], args.protocol)
+    if args.only:
+        keep = set(args.only.split(",")) | {args.base, "fullkv"}
+        scores = {m: v for m, v in scores.items() if m.split("@")[0] in keep}
+    scores, n_dropped = common_samples(scores)
+    if n_dropped:
+        print(f"(a method lacks some samples: every method is compared on the {sum(map(len, next(iter(scores.values())).values()))} "
+              f"samples they all have; {n_dropped} results left out)")
     reps = bootstrap_task_average(scores)
     full = reps.get("fullkv")
     if full is None:

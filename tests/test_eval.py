@@ -788,6 +788,19 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     lo = float(better.split("[")[1].split(",")[0])
     assert better.startswith("+33.3") and lo > 0
 
+    # a run stopped early: "partial" answered samples 0-2 of each task only (all right). Every method is then
+    # compared on those samples, where the base scores 1/3 and "better" 1: +66.7, not the mix of both sets
+    records += [{"kind": "ruler", "task": task, "length": 1024, "index": i, "protocol": "query-aware",
+                 "method": "partial", "budget": 64, "score": 1.0} for task in ("a", "b") for i in range(3)]
+    path.write_text(_json.dumps({"records": records}))
+    assert mod.main([str(path), "--base", "snapkv", "--only", "partial,better"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("(a method lacks some samples: every method is compared on the 6 samples")
+    rows = {line.split("|")[1].strip(): line for line in out[3:]}
+    assert set(rows) == {"partial", "better"}
+    assert rows["better"].split("|")[3].strip().startswith("+66.7")
+    assert rows["partial"].split("|")[3].strip().startswith("+66.7")
+
 
 def _script(name: str):
     import importlib.util
