@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Long-run soak: generate many tokens with decode eviction and watch memory, speed and the text stay sane.
 
-For every configuration (a PolyKV plan rescaled to ``--kv-budget``, uniform SnapKV at the same budget and,
-unless ``--no-fullkv``, FullKV) a fresh subprocess loads the default model, feeds one chat prompt that asks for
+For every configuration of ``--configs`` (``plan``: a PolyKV plan rescaled to ``--kv-budget``; a pattern name:
+that pattern uniform at the same budget; ``fullkv``: no plan) a fresh subprocess loads the default model, feeds one chat prompt that asks for
 a very long text, and samples ``--tokens`` tokens (llama.cpp's default temperature/top-k/top-p with a fixed seed; end-of-generation
 tokens are masked so that the run does not stop). Every ``--every`` tokens it records:
 
@@ -12,12 +12,15 @@ tokens are masked so that the run does not stop). Every ``--every`` tokens it re
 * repetition: the share of distinct 4-grams among the block's tokens, and the longest run of one repeated
   n-gram (n <= 32) at the block's end: a generation stuck in a loop has few distinct 4-grams.
 
-Pass criteria, written next to the numbers (``--out`` JSON, ``--md``, ``--png``): RSS after warm-up (the first
+Pass criteria, written next to the numbers (``--out`` JSON, and .md/.png beside it): RSS after warm-up (the first
 ``--warmup`` tokens) stays within 2% of its first value, tokens/s of the last block is >= 0.9x the first block
-after warm-up, and no block's distinct-4-gram share drops below 0.3 unless FullKV's does on the same prompt.
+after warm-up, and no loop that FullKV does not show: every block's distinct-4-gram share is at least half of
+FullKV's in the same block (without a FullKV run: at least 0.3). ``--resume`` keeps the configurations an
+earlier run of the same settings already wrote to ``--out``.
 
     python scripts/soak.py                                   # 20K tokens, budget 256, plan + SnapKV + FullKV
-    python scripts/soak.py --tokens 2000 --every 500 --no-fullkv --out /tmp/soak.json
+    python scripts/soak.py --configs plan,snapkv,streamingllm,fullkv --resume    # adds StreamingLLM
+    python scripts/soak.py --tokens 2000 --every 500 --configs plan,snapkv --out /tmp/soak.json
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ PROMPT = ("Write a very long, complete tutorial on the Python standard library. 
           "common mistakes. Do not stop early and do not summarise: keep writing.")
 RSS_TOLERANCE = 0.02
 SPEED_RATIO = 0.9
-MIN_DISTINCT_4GRAMS = 0.3
+MIN_DISTINCT_4GRAMS = 0.3  # without a FullKV run
+LOOP_RATIO = 0.5  # a block with less than half of FullKV's distinct 4-grams (same block) repeats more than FullKV
 
 
 def _rss() -> int:
@@ -95,14 +99,14 @@ def worker(spec: dict) -> None:
     from polykv_cpp.errors import PolyKVError
 
     model = Model(spec["model"])
-    if spec["plan"] == "fullkv":
+    if spec["name"] == "fullkv":
         model.set_plan(None)
-    elif spec["plan"] == "snapkv":
+    elif spec["name"] == "plan":
+        model.set_plan(spec["plan"], kv_budget=spec["kv_budget"])
+    else:
         from polykv_cpp.plan import uniform_plan
 
-        model.set_plan(uniform_plan(model.n_layer, "snapkv", spec["kv_budget"]))
-    else:
-        model.set_plan(spec["plan"], kv_budget=spec["kv_budget"])
+        model.set_plan(uniform_plan(model.n_layer, spec["name"], spec["kv_budget"]))
     try:
         text = model.chat_prompt([("user", PROMPT)])
     except PolyKVError:  # a base model without a chat template: the request as plain text
@@ -155,15 +159,18 @@ def run_config(spec: dict, bar) -> dict:
     return {"name": spec["name"], "blocks": blocks, "text_head": head}
 
 
-def verdict(cfg: dict, warmup: int, fullkv_min_distinct: float | None) -> dict:
-    """The pass criteria of the module docstring for one configuration."""
+def verdict(cfg: dict, warmup: int, fullkv: dict | None) -> dict:
+    """The pass criteria of the module docstring for one configuration (`fullkv`: FullKV's run, if any)."""
     after = [b for b in cfg["blocks"] if b["tokens"] > warmup] or cfg["blocks"][-1:]
     rss0 = after[0]["rss_bytes"]
     rss_drift = max(abs(b["rss_bytes"] - rss0) for b in after) / rss0
     speed_ratio = after[-1]["tok_per_s"] / after[0]["tok_per_s"]
     min_distinct = min(b["distinct_4grams"] for b in cfg["blocks"])
-    loop_ok = min_distinct >= MIN_DISTINCT_4GRAMS or (fullkv_min_distinct is not None
-                                                      and fullkv_min_distinct < MIN_DISTINCT_4GRAMS)
+    if fullkv is not None:
+        loop_ok = all(b["distinct_4grams"] >= LOOP_RATIO * f["distinct_4grams"]
+                      for b, f in zip(cfg["blocks"], fullkv["blocks"]))
+    else:
+        loop_ok = min_distinct >= MIN_DISTINCT_4GRAMS
     return {"rss_drift": rss_drift, "rss_ok": rss_drift <= RSS_TOLERANCE, "speed_ratio": speed_ratio,
             "speed_ok": speed_ratio >= SPEED_RATIO, "min_distinct_4grams": min_distinct, "no_loop": loop_ok}
 
@@ -177,12 +184,12 @@ def write_report(report: dict, md_path: Path | None, png_path: Path | None) -> s
     for c in report["configs"]:
         b, v = c["blocks"], c["verdict"]
         after = [x for x in b if x["tokens"] > report["warmup"]] or b[-1:]
-        ok = v["rss_ok"] and v["speed_ok"] and v["no_loop"]
+        ok = "reference" if c["name"] == "fullkv" else "yes" if v["rss_ok"] and v["speed_ok"] and v["no_loop"] else "NO"
         lines.append(f"| {c['name']} | {b[0]['kv_bytes'] / MIB:.2f} -> {b[-1]['kv_bytes'] / MIB:.2f} | "
                      f"{after[0]['rss_bytes'] / MIB:.1f} -> {after[-1]['rss_bytes'] / MIB:.1f} "
                      f"({100 * v['rss_drift']:.2f}%) | {after[0]['tok_per_s']:.1f} -> {after[-1]['tok_per_s']:.1f} "
                      f"({v['speed_ratio']:.2f}x) | {v['min_distinct_4grams']:.2f} | {b[-1]['evicted']} | "
-                     f"{'yes' if ok else 'NO'} |")
+                     f"{ok} |")
     text = "\n".join(lines) + "\n"
     if md_path:
         md_path.write_text(text)
@@ -225,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-fullkv", action="store_true", help="skip the FullKV reference run")
+    ap.add_argument("--configs", default="plan,snapkv,fullkv",
+                    help="plan, fullkv, or pattern names (uniform at --kv-budget), comma-separated")
+    ap.add_argument("--resume", action="store_true", help="keep the configurations --out already holds")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "soak-qwen" / "soak.json")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -238,19 +247,32 @@ def main(argv: list[str] | None = None) -> int:
     from polykv_cpp import models
 
     model_path = Path(args.model) if Path(args.model).exists() else models.fetch(args.model)
-    names = ["plan", "snapkv"] + ([] if args.no_fullkv else ["fullkv"])
+    from polykv_cpp.patterns import PATTERN_NAMES
+
+    names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ("plan", "fullkv") and n not in PATTERN_NAMES]
+    if unknown or not names:
+        ap.error(f"--configs: unknown {', '.join(unknown) or 'empty list'} (plan, fullkv or {', '.join(PATTERN_NAMES)})")
     base = {"model": str(model_path), "kv_budget": args.kv_budget, "tokens": args.tokens, "every": args.every,
             "n_ubatch": args.n_ubatch, "threads": args.threads, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "seed": args.seed}
+    done: dict[str, dict] = {}
+    if args.resume and args.out.exists():
+        old = json.loads(args.out.read_text())
+        if any(old.get(k) != v for k, v in base.items() if k != "model") or old.get("plan") != args.plan:
+            raise SystemExit(f"soak: {args.out} holds a run of other settings; use another --out or drop --resume")
+        done = {c["name"]: c for c in old["configs"]}
     configs = []
     for name in names:
-        spec = {**base, "name": name, "plan": args.plan if name == "plan" else name}
+        if name in done:
+            configs.append(done[name])
+            continue
+        spec = {**base, "name": name, "plan": args.plan}
         with tqdm(total=args.tokens, desc=f"soak {name}", unit="tok") as bar:
             configs.append(run_config(spec, bar))
     full = next((c for c in configs if c["name"] == "fullkv"), None)
-    full_min = min(b["distinct_4grams"] for b in full["blocks"]) if full else None
     for c in configs:
-        c["verdict"] = verdict(c, args.warmup, full_min)
+        c["verdict"] = verdict(c, args.warmup, full)
     report = {**{k: v for k, v in base.items() if k != "model"}, "model": model_path.name, "plan": args.plan,
               "warmup": args.warmup, "configs": configs}
     args.out.parent.mkdir(parents=True, exist_ok=True)

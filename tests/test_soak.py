@@ -45,15 +45,37 @@ def test_sampler_masks_banned_and_follows_top_k(soak):
     assert {soak.sample_token(logits, rng, np.array([3]), 1.0, 40, 0.01) for _ in range(20)} == {7}
 
 
+def test_loop_verdict_is_relative_to_fullkv(soak):
+    def run(*distinct):
+        return {"blocks": [{"tokens": 100 * (i + 1), "rss_bytes": 1000, "tok_per_s": 10.0, "distinct_4grams": d}
+                           for i, d in enumerate(distinct)]}
+
+    full = run(0.8, 0.2, 0.2)
+    assert soak.verdict(run(0.8, 0.15, 0.1), 0, full)["no_loop"]  # repeats as much as FullKV does
+    assert not soak.verdict(run(0.8, 0.05, 0.2), 0, full)["no_loop"]  # one block far below FullKV's
+    assert not soak.verdict(run(0.8, 0.2, 0.2), 0, None)["no_loop"]  # without FullKV: an absolute floor of 0.3
+    assert soak.verdict(run(0.8, 0.5, 0.4), 0, None)["no_loop"]
+
+
 def test_soak_tiny_model(soak, tiny_gguf, tmp_path):
     plan = tmp_path / "plan.json"
     plan.write_text(uniform_plan(2, "streamingllm", 32).to_json())
     out = tmp_path / "soak.json"
-    rc = soak.main(["--model", str(tiny_gguf), "--plan", str(plan), "--kv-budget", "32", "--tokens", "300",
-                    "--every", "100", "--warmup", "100", "--n-ubatch", "32", "--threads", "1", "--out", str(out)])
+    args = ["--model", str(tiny_gguf), "--plan", str(plan), "--kv-budget", "32", "--tokens", "300", "--every", "100",
+            "--warmup", "100", "--n-ubatch", "32", "--threads", "1", "--out", str(out)]
+    rc = soak.main(args)
     report = json.loads(out.read_text())
     names = [c["name"] for c in report["configs"]]
     assert names == ["plan", "snapkv", "fullkv"]
+    # --resume runs only the configurations the file lacks
+    assert soak.main(args + ["--configs", "plan,streamingllm,fullkv", "--resume"]) in (0, 1)
+    again = json.loads(out.read_text())
+    assert [c["name"] for c in again["configs"]] == ["plan", "streamingllm", "fullkv"]
+    assert again["configs"][0]["blocks"] == report["configs"][0]["blocks"]
+    with pytest.raises(SystemExit, match="other settings"):
+        soak.main([a if a != "300" else "200" for a in args] + ["--resume"])
+    with pytest.raises(SystemExit):
+        soak.main(args + ["--configs", "plan,nonsense"])
     by = {c["name"]: c for c in report["configs"]}
     for c in report["configs"]:
         assert [b["tokens"] for b in c["blocks"]] == [100, 200, 300]
