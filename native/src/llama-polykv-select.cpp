@@ -814,10 +814,10 @@ void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
     // the per-cell state keeps its indices
     polykv_io_write w;
     grp.kv->state_write(w);
-    grp.kv.reset();
-    grp.kv = new_group_cache(grp, cap);
+    auto kv_new = new_group_cache(grp, cap); // a failed allocation leaves the group as it was
     polykv_io_read r(w.buf);
-    grp.kv->state_read(r);
+    kv_new->state_read(r);
+    grp.kv = std::move(kv_new);
     grp.capacity = cap;
 
     const uint32_t n_copy = std::min(old_cap, cap);

@@ -277,8 +277,7 @@ uint32_t llama_kv_cache_poly::compressed_capacity(const group & grp) const {
 }
 
 void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
-    grp.kv.reset(); // the old buffers go before the new ones are allocated
-    grp.kv = new_group_cache(grp, cap);
+    grp.kv = new_group_cache(grp, cap); // allocated before the old one goes: a failure leaves the group as it was
     grp.capacity = cap;
     if (grp.per_head) {
         grp.hpos.assign((size_t) grp.n_head_kv * cap, -1);
