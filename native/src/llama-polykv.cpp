@@ -209,20 +209,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
                 grp.pad = 256;
             }
         }
-        uint32_t cap = 0;
-        for (int p = 0; p < 2; ++p) {
-            const auto & pp = grp.phase[p];
-            const bool whole_prompt = prefill_exact && p == LLAMA_POLYKV_PHASE_PREFILL;
-            uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0 || whole_prompt) ? n_ctx : (uint32_t) pp.budget;
-            if (p == LLAMA_POLYKV_PHASE_PREFILL && keep < n_ctx) {
-                keep = (uint32_t) streaming_phase(pp).budget;
-            }
-            if (grp.is_swa) {
-                keep = std::min(keep, hparams.n_swa);
-            }
-            cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + n_ubatch);
-        }
-        grp.capacity = std::min(n_ctx, pad_to(cap, grp.pad));
+        grp.capacity = group_cells(grp, prefill_exact);
         grp.capacity_max = grp.capacity;
         if (grp.per_head) {
             const int32_t il = grp.layers.front();
@@ -264,16 +251,21 @@ std::unique_ptr<llama_kv_cache> llama_kv_cache_poly::new_group_cache(const group
             [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
 }
 
-uint32_t llama_kv_cache_poly::compressed_capacity(const group & grp) const {
+uint32_t llama_kv_cache_poly::group_cells(const group & grp, bool whole_prompt) const {
     uint32_t cap = 0;
-    for (const auto & pp : grp.phase) {
-        uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) ? n_ctx : (uint32_t) pp.budget;
+    for (int p = 0; p < 2; ++p) {
+        const auto & pp = grp.phase[p];
+        const bool whole = whole_prompt && p == LLAMA_POLYKV_PHASE_PREFILL;
+        uint32_t keep = (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0 || whole) ? n_ctx : (uint32_t) pp.budget;
+        if (p == LLAMA_POLYKV_PHASE_PREFILL && keep < n_ctx) {
+            keep = (uint32_t) streaming_phase(pp).budget;
+        }
         if (grp.is_swa) {
             keep = std::min(keep, hparams.n_swa);
         }
         cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + n_ubatch);
     }
-    return std::min(grp.capacity_max, pad_to(cap, grp.pad));
+    return std::min(n_ctx, pad_to(cap, grp.pad));
 }
 
 void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
@@ -561,7 +553,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
         uint32_t cap = 0;
         io.read(&cap, sizeof(cap));
         // exact modes save either the whole prompt's caches or the compressed ones of the same plan
-        if (cap != grp.capacity && prefill_exact && (cap == grp.capacity_max || cap == compressed_capacity(grp))) {
+        if (cap != grp.capacity && prefill_exact && (cap == grp.capacity_max || cap == group_cells(grp, false))) {
             reset_capacity(grp, cap);
         }
         if (cap != grp.capacity) {
@@ -723,7 +715,7 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
             compact(grp);
         }
         // exact modes hold the whole prompt in n_ctx cells until now: give back what the plan no longer needs
-        const uint32_t cap = compressed_capacity(grp);
+        const uint32_t cap = group_cells(grp, false);
         if (prefill_exact && cap < grp.capacity) {
             resize(grp, cap);
         }

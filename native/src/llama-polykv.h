@@ -256,8 +256,9 @@ private:
 
     // the stock cache of a group with cap cells
     std::unique_ptr<llama_kv_cache> new_group_cache(const group & grp, uint32_t cap) const;
-    // cells a group needs once its prompt is compressed: the larger phase budget + one ubatch (padded)
-    uint32_t compressed_capacity(const group & grp) const;
+    // cells a group needs: the larger phase budget (x the prefill slack while a prompt streams) + one ubatch, padded;
+    // whole_prompt: the prefill phase keeps the whole prompt (exact modes until the compression)
+    uint32_t group_cells(const group & grp, bool whole_prompt) const;
     // move a group's cells into a cache of cap cells, with their score state (the kept cells must fit; they are
     // compacted first): exact modes shrink the caches after a compression, and grow them for the next prompt
     void resize(group & grp, uint32_t cap);
