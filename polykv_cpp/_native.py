@@ -182,6 +182,7 @@ float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 
 void llama_memory_clear(llama_memory_t mem, bool data);
 bool llama_memory_seq_rm(llama_memory_t mem, llama_seq_id seq_id, llama_pos p0, llama_pos p1);
+void llama_memory_seq_cp(llama_memory_t mem, llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1);
 llama_pos llama_memory_seq_pos_min(llama_memory_t mem, llama_seq_id seq_id);
 llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 
@@ -234,6 +235,7 @@ bool    llama_polykv_is_active(const struct llama_context * ctx);
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max);
 int32_t llama_polykv_get_kept_positions(const struct llama_context * ctx, int32_t il, llama_pos * out, int32_t n_max);
 int32_t llama_polykv_get_kept_positions_head(const struct llama_context * ctx, int32_t il, int32_t head, llama_pos * out, int32_t n_max);
+int32_t llama_polykv_seq_get_kept_positions(const struct llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t head, llama_pos * out, int32_t n_max);
 int32_t llama_polykv_layer_per_head(const struct llama_context * ctx, int32_t il);
 const char * llama_polykv_pattern_str(int32_t pattern);
 const char * llama_polykv_last_error(void);

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import codecs
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -464,6 +464,13 @@ class Context:
             self._n_past = self.pos_max() + 1
         return ok
 
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Copy sequence `src` into `dst` (llama_memory_seq_cp). With a plan, `dst` then holds what `src`'s
+        layers keep of [p0, p1), and what it held before is replaced."""
+        self._lib.llama_memory_seq_cp(self._lib.llama_get_memory(self.ptr), src, dst, p0, p1)
+        if dst == 0:
+            self._n_past = self.pos_max() + 1
+
     def pos_max(self, seq_id: int = 0) -> int:
         return self._lib.llama_memory_seq_pos_max(self._lib.llama_get_memory(self.ptr), seq_id)
 
@@ -549,6 +556,35 @@ class Context:
                 detail = _native.log_since(mark) or "no detail logged"
                 raise NativeError(f"llama_decode failed (code {rc}) at position {self._n_past}: {detail}")
             self._n_past += len(chunk)
+
+    def decode_sequences(self, tokens_by_seq: Mapping[int, Sequence[int]]) -> dict[int, int]:
+        """Append tokens to several sequences in one llama_decode call per n_batch tokens (a context created with
+        ``n_seq_max`` > their ids); each sequence continues at its own next position. Returns, per sequence, the
+        output index of its last token for `logits(i)`. With a plan every sequence has caches of its own, each with
+        the plan's budgets (one ubatch per sequence)."""
+        items = []
+        for seq, toks in tokens_by_seq.items():
+            if not toks:
+                raise ValueError(f"sequence {seq} has no tokens")
+            start = self.pos_max(seq) + 1
+            items += [(tok, start + i, seq, i == len(toks) - 1) for i, tok in enumerate(toks)]
+        if len(items) > self.n_batch:
+            raise ValueError(f"{len(items)} tokens do not fit one batch of {self.n_batch}")
+        batch = self._batch
+        batch.n_tokens = len(items)
+        out: dict[int, int] = {}
+        for i, (tok, pos, seq, last) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0] = tok, pos, 1, seq
+            batch.logits[i] = 1 if last else 0
+            if last:
+                out[seq] = i
+        mark = _native.log_mark()
+        rc = self._lib.llama_decode(self.ptr, batch)
+        if rc != 0:
+            detail = _native.log_since(mark) or "no detail logged"
+            raise NativeError(f"llama_decode failed (code {rc}) for sequences {sorted(tokens_by_seq)}: {detail}")
+        self._restored_logits = None
+        return out
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output `i` of the last decode() (-1: the last token); a copy."""
@@ -682,12 +718,21 @@ class Context:
         """Per-layer KV memory: capacity, used cells, evictions, bytes (empty without a plan)."""
         return layer_stats(self._lib, self.ptr)
 
-    def kept_positions(self, layer: int, head: int | None = None) -> list[int]:
+    def kept_positions(self, layer: int, head: int | None = None, seq: int = 0) -> list[int]:
         """Positions layer `layer` keeps now, sorted (raises without a plan).
 
         ``head``: the positions one KV head keeps. A layer that selects per head keeps one set per KV head;
         without ``head`` it returns their union. A layer that selects per layer gives its one set for any head.
+        ``seq``: the sequence (contexts of several sequences keep one cache per sequence).
         """
+        if seq != 0:
+            h = -1 if head is None else int(head)
+            n = self._lib.llama_polykv_seq_get_kept_positions(self.ptr, seq, layer, h, ffi.NULL, 0)
+            if n < 0:
+                raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace"))
+            buf = ffi.new("llama_pos[]", max(n, 1))
+            self._lib.llama_polykv_seq_get_kept_positions(self.ptr, seq, layer, h, buf, n)
+            return list(buf[0:n])
         if head is None:
             n = self._lib.llama_polykv_get_kept_positions(self.ptr, layer, ffi.NULL, 0)
         else:

@@ -8,8 +8,8 @@ steps: pip-installs the pinned version that way and points ``llama_cpp/lib`` at 
 ``from llama_cpp import Llama`` loads our library, and ``Llama(model_path="m.polykv.gguf")`` follows the plan in
 the GGUF (or ``LLAMA_POLYKV_PLAN``) like every stock tool.
 
-Limits: one sequence per context with a plan (llama-cpp-python's default; ``embedding=True`` asks for several and
-is refused with our message); llama-cpp-python's prompt-prefix reuse between calls keeps the compressed cache of
+Notes: llama-cpp-python's default is one sequence per context; ``embedding=True`` asks for up to 256, and with a
+plan each gets caches of the plan's size (memory grows with the count); llama-cpp-python's prompt-prefix reuse between calls keeps the compressed cache of
 the previous call (positions the plan evicted stay evicted), as a chat session with compression does.
 """
 

@@ -71,6 +71,8 @@ __all__ = [
 
 PLAN_FORMAT_VERSION = 1
 PLAN_FORMAT_NAME = "polykv-plan"
+#: how a plan merges tokens fed after its prompt was compressed (Plan.followup)
+FOLLOWUP_MODES = ("prefill", "decode")
 GGUF_KEY_PLAN = "polykv.plan"
 GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
@@ -502,6 +504,10 @@ class Plan:
         exact_total: budgets (+ FullKV charges) of each phase must sum to exactly n_layer * budget_avg.
         full_charge: tokens each FullKV layer is charged against the total (the context length the plan was
             made for); required when a phase mixes FullKV with budgeted layers and the total is checked.
+        followup: how tokens fed after the prompt was compressed (a question after a compressed document, the
+            next turn of a chat) are merged into the cache: "prefill" (the default) compresses them with the
+            prefill pattern like the first prompt; "decode" with each layer's decode pattern at its prefill
+            budget, so a SnapKV decode pattern chooses by what the new text (the question) attends to.
     """
 
     version: int
@@ -513,12 +519,13 @@ class Plan:
     provenance: Provenance = field(default_factory=Provenance)
     exact_total: bool = True
     full_charge: int | None = None
+    followup: str = "prefill"
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the v1 schema)."""
-        return {
+        """JSON-ready dict (the v1 schema; ``followup`` only when it is not the default)."""
+        d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
             "n_layer": self.n_layer,
@@ -530,6 +537,9 @@ class Plan:
             "layers": [lp.to_dict() for lp in self.layers],
             "provenance": self.provenance.to_dict(),
         }
+        if self.followup != "prefill":
+            d["followup"] = self.followup
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Plan":
@@ -547,7 +557,7 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "layers", "provenance"}
+                   "full_charge", "followup", "layers", "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -565,6 +575,9 @@ class Plan:
         fc = d.get("full_charge")
         if fc is not None and not _is_int(fc):
             raise PlanError(f"plan: 'full_charge' must be an integer or null (got {fc!r})")
+        followup = d.get("followup", "prefill")
+        if followup not in FOLLOWUP_MODES:
+            raise PlanError(f"plan: 'followup' must be one of {', '.join(FOLLOWUP_MODES)} (got {followup!r})")
         layers = d.get("layers")
         if not isinstance(layers, list):
             raise PlanError("plan: 'layers' must be a list")
@@ -573,7 +586,7 @@ class Plan:
             budget_rule=rule,
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
-            exact_total=exact, full_charge=fc,
+            exact_total=exact, full_charge=fc, followup=followup,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -696,6 +709,8 @@ class Plan:
             raise PlanError("budget_rule must be a non-empty string")
         if self.full_charge is not None and (not _is_int(self.full_charge) or self.full_charge < 1):
             raise PlanError(f"full_charge must be a positive integer or null (got {self.full_charge!r})")
+        if self.followup not in FOLLOWUP_MODES:
+            raise PlanError(f"followup must be one of {', '.join(FOLLOWUP_MODES)} (got {self.followup!r})")
 
         for lp in self.layers:
             scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
@@ -824,7 +839,7 @@ class Plan:
         prov.extra.setdefault("scaled_from_budget_avg", self.budget_avg)
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
-                    full_charge=charge)
+                    full_charge=charge, followup=self.followup)
 
 
 def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:

@@ -297,13 +297,6 @@ def test_budget_that_cannot_fit_fails_at_context_creation(tiny_gguf):
             model.context(n_ctx=256)
 
 
-def test_multi_sequence_context_is_refused(tiny_gguf):
-    with Model(tiny_gguf) as model:
-        model.set_plan(plan_mod.uniform_plan(2, "streamingllm", 16, n_sink=2))
-        with pytest.raises(NativeError, match="one sequence"):
-            model.context(n_ctx=256, n_seq_max=2)
-
-
 def test_state_roundtrip_of_an_evicted_cache(twin, tokens):
     _, path = twin
     with Model(path) as model:

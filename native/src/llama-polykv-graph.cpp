@@ -127,7 +127,9 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const llama_cparams & cparams,
         const llama_kv_cache_poly_context * pctx) {
     auto inp = std::make_unique<llm_graph_input_attn_kv_poly>(hparams, cparams, pctx);
-    const int64_t n_stream = cparams.kv_unified ? 1 : ubatch.n_seqs_unq;
+    // every group cache is one stream: with several sequences each sequence has its own caches and a ubatch holds
+    // one sequence (llama_kv_cache_poly_seqs)
+    const int64_t n_stream = 1;
     for (uint32_t g = 0; g < pctx->n_groups(); ++g) {
         const auto * gctx = pctx->get_group(g);
         auto ginp = std::make_unique<llm_graph_input_attn_kv>(hparams, cparams, gctx);

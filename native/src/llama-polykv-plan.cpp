@@ -247,7 +247,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -263,6 +263,13 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
         }
         plan.exact_total = doc.value("exact_total", true);
         plan.full_charge = get_int(doc, "full_charge", -1, "plan", 1);
+        if (doc.contains("followup")) {
+            const auto & f = doc.at("followup");
+            if (!f.is_string() || (f.get<std::string>() != "prefill" && f.get<std::string>() != "decode")) {
+                throw std::runtime_error("plan: 'followup' must be one of prefill, decode (got " + f.dump() + ")");
+            }
+            plan.followup_decode = f.get<std::string>() == "decode";
+        }
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");
         }

@@ -60,6 +60,9 @@ struct llama_polykv_plan {
     int32_t  b_min       = 1;
     bool     exact_total = true;
     int32_t  full_charge = -1;
+    // "followup": "decode": tokens fed after the prompt was compressed (a question, the next turn) are merged in by
+    // each layer's decode pattern at its prefill budget; false ("prefill", the default): by the prefill pattern
+    bool     followup_decode = false;
 
     std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
 };

@@ -342,10 +342,10 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
     if (grp.is_swa) {
         // the budget counts visible tokens: those that left the window are masked for every later query (the
         // next one is at pos_max + 1 and sees p > pos_max + 1 - n_swa), so free their cells first
-        const llama_pos pos_max = grp.kv->seq_pos_max(0);
+        const llama_pos pos_max = grp.kv->seq_pos_max(seq);
         const llama_pos p_out   = pos_max + 2 - (llama_pos) hparams.n_swa;
-        if (p_out > 0 && grp.kv->seq_pos_min(0) < p_out) {
-            grp.kv->seq_rm(0, 0, p_out);
+        if (p_out > 0 && grp.kv->seq_pos_min(seq) < p_out) {
+            grp.kv->seq_rm(seq, 0, p_out);
         }
     }
     const auto & cells = grp.kv->get_cells(0);
@@ -361,7 +361,7 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
         drop.push_back(cells.pos_get(c));
     }
     for (llama_pos p : drop) {
-        grp.kv->seq_rm(0, p, p + 1);
+        grp.kv->seq_rm(seq, p, p + 1);
     }
     grp.n_evicted += drop.size();
 }
@@ -679,56 +679,37 @@ void llama_kv_cache_poly::repack(group & grp) {
         }
         if (want >= 0) {
             cells.pos_set(c, want);
-            cells.seq_add(c, 0);
+            cells.seq_add(c, seq);
         }
     }
 }
 
-namespace {
+void llama_polykv_io_write::write(const void * src, size_t size) {
+    const uint8_t * p = (const uint8_t *) src;
+    buf.insert(buf.end(), p, p + size);
+}
 
-// in-memory llama_io for moving one group's cells through the stock cache's own state format
-class polykv_io_write : public llama_io_write_i {
-public:
-    void write(const void * src, size_t size) override {
-        const uint8_t * p = (const uint8_t *) src;
-        buf.insert(buf.end(), p, p + size);
-    }
-    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
-        const size_t n0 = buf.size();
-        buf.resize(n0 + size);
-        ggml_backend_tensor_get(tensor, buf.data() + n0, offset, size);
-    }
-    size_t n_bytes() override { return buf.size(); }
+void llama_polykv_io_write::write_tensor(ggml_tensor * tensor, size_t offset, size_t size) {
+    const size_t n0 = buf.size();
+    buf.resize(n0 + size);
+    ggml_backend_tensor_get(tensor, buf.data() + n0, offset, size);
+}
 
-    std::vector<uint8_t> buf;
-};
-
-class polykv_io_read : public llama_io_read_i {
-public:
-    explicit polykv_io_read(const std::vector<uint8_t> & buf) : buf(buf) {}
-    void read(void * dst, size_t size) override {
-        check(size);
-        memcpy(dst, buf.data() + pos, size);
-        pos += size;
+void llama_polykv_io_read::read(void * dst, size_t size) {
+    if (pos + size > buf.size()) {
+        throw std::runtime_error("PolyKV: a cache move read past its buffer");
     }
-    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override {
-        check(size);
-        ggml_backend_tensor_set(tensor, buf.data() + pos, offset, size);
-        pos += size;
-    }
-    size_t n_bytes() override { return pos; }
+    memcpy(dst, buf.data() + pos, size);
+    pos += size;
+}
 
-private:
-    void check(size_t size) const {
-        if (pos + size > buf.size()) {
-            throw std::runtime_error("PolyKV: compaction read past its buffer");
-        }
+void llama_polykv_io_read::read_tensor(ggml_tensor * tensor, size_t offset, size_t size) {
+    if (pos + size > buf.size()) {
+        throw std::runtime_error("PolyKV: a cache move read past its buffer");
     }
-    const std::vector<uint8_t> & buf;
-    size_t pos = 0;
-};
-
-} // namespace
+    ggml_backend_tensor_set(tensor, buf.data() + pos, offset, size);
+    pos += size;
+}
 
 void llama_kv_cache_poly::compact(group & grp) {
     struct cell_score {
@@ -750,9 +731,9 @@ void llama_kv_cache_poly::compact(group & grp) {
         }
     }
     // a whole-cache restore of the stock cache puts the cells it reads at cells 0..n-1
-    polykv_io_write w;
+    llama_polykv_io_write w;
     grp.kv->state_write(w);
-    polykv_io_read r(w.buf);
+    llama_polykv_io_read r(w.buf);
     grp.kv->state_read(r);
 
     std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
@@ -812,10 +793,10 @@ void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
     }
     // the used cells are 0..n_used-1, and a whole-cache restore puts them at the same cells of the new cache, so
     // the per-cell state keeps its indices
-    polykv_io_write w;
+    llama_polykv_io_write w;
     grp.kv->state_write(w);
     auto kv_new = new_group_cache(grp, cap); // a failed allocation leaves the group as it was
-    polykv_io_read r(w.buf);
+    llama_polykv_io_read r(w.buf);
     kv_new->state_read(r);
     grp.kv = std::move(kv_new);
     grp.capacity = cap;

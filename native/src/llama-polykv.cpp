@@ -159,8 +159,11 @@ llama_kv_cache_poly::llama_kv_cache_poly(
                      bool   v_trans,
                      bool   offload,
                  uint32_t   n_ctx,
-                 uint32_t   n_ubatch) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
+                 uint32_t   n_ubatch,
+             llama_seq_id   seq,
+                 uint32_t   n_seq_max) : model(model), hparams(hparams), plan(std::move(plan_in)), n_ctx(n_ctx),
                                         n_ubatch(n_ubatch), v_trans(v_trans), offload(offload), type_k(type_k), type_v(type_v),
+                                        seq(seq), n_seq_max(n_seq_max),
                                         prefill_exact(prefill_mode != 0), portable(prefill_mode == 2),
                                         prefill_slack(prefill_mode == 0 ? std::max(1.0f, prefill_slack) : 1.0f) {
     const int32_t n_layer = (int32_t) hparams.n_layer();
@@ -246,7 +249,7 @@ std::unique_ptr<llama_kv_cache> llama_kv_cache_poly::new_group_cache(const group
     const std::string tag = "_pkv" + std::to_string(&grp - groups.data());
     return std::make_unique<llama_kv_cache>(
             model, hparams, type_k, type_v, v_trans, offload, /*unified*/ true, cap,
-            /*n_seq_max*/ 1, /*n_pad*/ 1, grp.is_swa ? hparams.n_swa : 0,
+            n_seq_max, /*n_pad*/ 1, grp.is_swa ? hparams.n_swa : 0,
             grp.is_swa ? hparams.swa_type : LLAMA_SWA_TYPE_NONE, nullptr,
             [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
 }
@@ -350,6 +353,7 @@ void llama_kv_cache_poly::clear(bool data) {
         grp.ring.clear();
     }
     kvzip_scored = false;
+    prompt_done = false;
     pos_next = 0;
 }
 
@@ -357,9 +361,10 @@ bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1
     bool res = true;
     if (p1 < 0 || p1 >= pos_next) {
         pos_next = std::min(pos_next, std::max<llama_pos>(p0, 0)); // the tail is gone: the sequence ends at p0
+        prompt_done = prompt_done && pos_next > 0;                   // an empty sequence starts a new prompt
     }
     for (auto & grp : groups) {
-        if (grp.per_head && seq_id <= 0) {
+        if (grp.per_head && (seq_id < 0 || seq_id == seq)) {
             // the stock cells carry one label per cell; what each head holds is in hpos
             const llama_pos hi = p1 < 0 ? std::numeric_limits<llama_pos>::max() : p1;
             for (auto & p : grp.hpos) {
@@ -409,7 +414,7 @@ llama_pos llama_kv_cache_poly::seq_pos_min(llama_seq_id seq_id) const {
 }
 
 llama_pos llama_kv_cache_poly::seq_pos_max(llama_seq_id seq_id) const {
-    llama_pos res = seq_id <= 0 ? pos_next - 1 : -1;
+    llama_pos res = (seq_id < 0 || seq_id == seq) ? pos_next - 1 : -1;
     for (const auto & grp : groups) {
         res = std::max(res, grp.kv->seq_pos_max(seq_id));
     }
@@ -687,7 +692,20 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     }
     // the newest token the state holds (the state does not record the logical end of the sequence)
     pos_next = 0;
-    pos_next = seq_pos_max(0) + 1;
+    pos_next = seq_pos_max(seq) + 1;
+    prompt_done = pos_next > 0 && !prompt_pending; // a cache saved after its compression (or while decoding)
+}
+
+llama_polykv_phase_plan llama_kv_cache_poly::prompt_phase(const group & grp) const {
+    const auto & pre = grp.phase[LLAMA_POLYKV_PHASE_PREFILL];
+    if (!prompt_done || !plan.followup_decode || pre.pattern == LLAMA_POLYKV_FULLKV) {
+        return pre;
+    }
+    llama_polykv_phase_plan res = grp.phase[LLAMA_POLYKV_PHASE_DECODE];
+    if (res.pattern != LLAMA_POLYKV_FULLKV) {
+        res.budget = pre.budget;
+    }
+    return res;
 }
 
 llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_phase_plan & pp) const {
@@ -709,7 +727,7 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
     for (auto & grp : groups) {
         warn_kvzip_unscored(grp);
         const uint64_t n0 = grp.n_evicted;
-        evict(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL]);
+        evict(grp, prompt_phase(grp));
         n_freed += grp.n_evicted - n0;
         if (prefill_exact && grp.n_evicted > n0 && !grp.per_head) { // per-head eviction repacks by itself
             compact(grp);
@@ -721,6 +739,7 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
         }
     }
     prompt_pending = false;
+    prompt_done = true;
     return n_freed;
 }
 
@@ -737,7 +756,7 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
     if (!prefill_exact) {
         throw std::runtime_error("KVzip scores the whole prompt at once: it needs exact prefill (prefill mode exact or portable)");
     }
-    const llama_pos n_prompt = seq_pos_max(0) + 1;
+    const llama_pos n_prompt = seq_pos_max(seq) + 1;
     if (!prompt_pending || n_prompt <= 0) {
         throw std::runtime_error("KVzip: no uncompressed prompt in the cache (call it after the prompt, before the first decode step)");
     }
@@ -773,12 +792,12 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
                 batch.token   [k]    = i < n_prefix ? prefix[i] : tokens[c0 - n_overlap + i - n_prefix];
                 batch.pos     [k]    = n_prompt + i;
                 batch.n_seq_id[k]    = 1;
-                batch.seq_id  [k][0] = 0;
+                batch.seq_id  [k][0] = seq;
                 batch.logits  [k]    = false;
             }
             rc = llama_decode(lctx, batch);
         }
-        llama_memory_seq_rm(llama_get_memory(lctx), 0, n_prompt, -1);
+        llama_memory_seq_rm(llama_get_memory(lctx), seq, n_prompt, -1);
     }
     kvzip_active = false;
     llama_batch_free(batch);
@@ -814,10 +833,11 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
             evict(grp, grp.phase[phase]);
         } else if (!prefill_exact) {
             warn_kvzip_unscored(grp);
-            evict(grp, streaming_phase(grp.phase[phase]));
+            evict(grp, streaming_phase(prompt_phase(grp)));
         }
     }
     prompt_pending = compresses_at_decode() && !decode;
+    prompt_done = prompt_done || decode;
 }
 
 //
@@ -836,9 +856,20 @@ llama_kv_cache_poly_context::llama_kv_cache_poly_context(llama_kv_cache_poly * k
     status(LLAMA_MEMORY_STATUS_SUCCESS), kv(kv), ubatches(std::move(ubatches)) {
 }
 
+llama_kv_cache_poly_context::llama_kv_cache_poly_context(std::vector<llama_kv_cache_poly *> ubatch_kv, std::vector<llama_ubatch> ubatches) :
+    status(LLAMA_MEMORY_STATUS_SUCCESS), kv(ubatch_kv.front()), ubatches(std::move(ubatches)), ubatch_kv(std::move(ubatch_kv)) {
+}
+
 bool llama_kv_cache_poly_context::next() {
     assert(status == LLAMA_MEMORY_STATUS_SUCCESS);
-    return ++i_cur < ubatches.size();
+    if (++i_cur >= ubatches.size()) {
+        return false;
+    }
+    if (!ubatch_kv.empty()) {
+        kv = ubatch_kv[i_cur];
+        group_ctxs.clear();
+    }
+    return true;
 }
 
 bool llama_kv_cache_poly_context::apply() {
@@ -942,10 +973,6 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     if ((hparams.swa_type != LLAMA_SWA_TYPE_NONE && hparams.swa_type != LLAMA_SWA_TYPE_STANDARD) || hparams.n_pos_per_embd() != 1) {
         throw std::runtime_error("PolyKV: chunked/symmetric sliding-window and multi-position (M-RoPE) models are not supported yet");
     }
-    if (cparams.n_seq_max > 1) {
-        throw std::runtime_error("PolyKV: a context with a plan serves one sequence (n_seq_max = 1); got n_seq_max = " +
-                                 std::to_string(cparams.n_seq_max));
-    }
     std::vector<int32_t> caps(hparams.n_layer(), 0);
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
         caps[il] = llama_polykv_model_layer_window(&model, (int32_t) il);
@@ -977,34 +1004,47 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
             }
         }
     }
-    auto * mem = new llama_kv_cache_poly(model, hparams, plan, prefill_mode, prefill_slack, params.type_k, params.type_v, !cparams.flash_attn,
-                                         cparams.offload_kqv, cparams.n_ctx_seq, cparams.n_ubatch);
-    try {
-        mem->set_rope(model, cparams);
-    } catch (...) {
-        delete mem;
-        throw;
+    // one cache per sequence: each keeps the plan's budgets, and sequences never evict each other's tokens
+    const uint32_t n_seq = std::max<uint32_t>(cparams.n_seq_max, 1);
+    std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs;
+    for (uint32_t s = 0; s < n_seq; ++s) {
+        seqs.push_back(std::make_unique<llama_kv_cache_poly>(model, hparams, plan, prefill_mode, prefill_slack, params.type_k,
+                                                             params.type_v, !cparams.flash_attn, cparams.offload_kqv,
+                                                             cparams.n_ctx_seq, cparams.n_ubatch, (llama_seq_id) s, n_seq));
+        seqs.back()->set_rope(model, cparams);
     }
     uint64_t cells = 0;
     uint64_t bytes = 0;
-    for (uint32_t g = 0; g < mem->n_groups(); ++g) {
-        cells += (uint64_t) mem->get_group(g).capacity * mem->get_group(g).layers.size();
-        bytes += mem->group_bytes(g);
+    for (const auto & mem : seqs) {
+        for (uint32_t g = 0; g < mem->n_groups(); ++g) {
+            cells += (uint64_t) mem->get_group(g).capacity * mem->get_group(g).layers.size();
+            bytes += mem->group_bytes(g);
+        }
     }
-    const uint64_t full_cells = (uint64_t) cparams.n_ctx_seq * hparams.n_layer();
+    const uint64_t full_cells = (uint64_t) cparams.n_ctx * hparams.n_layer();
     char slack_note[64] = "";
     if (prefill_mode == 0 && prefill_slack > 1.0f) {
         snprintf(slack_note, sizeof(slack_note), ", prefill slack %g", prefill_slack);
     }
-    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
+    char seq_note[64] = "";
+    if (n_seq > 1) {
+        snprintf(seq_note, sizeof(seq_note), ", %u sequences of %u positions each", n_seq, cparams.n_ctx_seq);
+    }
+    LLAMA_LOG_INFO("%s: PolyKV plan active (%s%s%s%s%s): %u layers in %u cache groups, %" PRIu64 " cells (FullKV: %" PRIu64 "), KV %.2f MiB = %.1f%% of FullKV\n",
             __func__, source.c_str(), kv_budget > 0 ? (", kv-budget " + std::to_string(kv_budget)).c_str() : "",
-            prefill_mode == 1 ? ", exact prefill" : prefill_mode == 2 ? ", exact portable prefill" : "", slack_note,
-            hparams.n_layer(), mem->n_groups(), cells, full_cells, bytes / 1024.0 / 1024.0, 100.0 * cells / std::max<uint64_t>(full_cells, 1));
-    return mem;
+            prefill_mode == 1 ? ", exact prefill" : prefill_mode == 2 ? ", exact portable prefill" : "", slack_note, seq_note,
+            hparams.n_layer(), seqs.front()->n_groups(), cells, full_cells, bytes / 1024.0 / 1024.0, 100.0 * cells / std::max<uint64_t>(full_cells, 1));
+    if (n_seq == 1) {
+        return seqs.front().release();
+    }
+    return new llama_kv_cache_poly_seqs(std::move(seqs), cparams.n_ctx);
 }
 
 bool llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch) {
     auto * poly = dynamic_cast<llama_kv_cache_poly *>(mem);
+    if (auto * seqs = dynamic_cast<llama_kv_cache_poly_seqs *>(mem)) {
+        poly = ubatch.n_tokens > 0 ? seqs->get_seq(ubatch.seq_id[0][0]) : nullptr;
+    }
     if (!poly) {
         return true;
     }
@@ -1099,8 +1139,27 @@ void llama_polykv_forget_model(const llama_model * model) {
     g_prefill_slack.erase(model);
 }
 
-static llama_kv_cache_poly * get_poly(const struct llama_context * ctx) {
-    return ctx ? dynamic_cast<llama_kv_cache_poly *>(llama_get_memory(ctx)) : nullptr;
+// the cache of sequence seq_id (a context of one sequence has one cache, whatever seq_id)
+static llama_kv_cache_poly * get_poly(const struct llama_context * ctx, llama_seq_id seq_id = 0) {
+    llama_memory_i * mem = ctx ? llama_get_memory(ctx) : nullptr;
+    if (auto * seqs = dynamic_cast<llama_kv_cache_poly_seqs *>(mem)) {
+        return seqs->get_seq(seq_id);
+    }
+    return dynamic_cast<llama_kv_cache_poly *>(mem);
+}
+
+// every sequence's cache
+static std::vector<llama_kv_cache_poly *> get_polys(const struct llama_context * ctx) {
+    llama_memory_i * mem = ctx ? llama_get_memory(ctx) : nullptr;
+    std::vector<llama_kv_cache_poly *> res;
+    if (auto * seqs = dynamic_cast<llama_kv_cache_poly_seqs *>(mem)) {
+        for (uint32_t s = 0; s < seqs->n_seq(); ++s) {
+            res.push_back(seqs->get_seq(s));
+        }
+    } else if (auto * poly = dynamic_cast<llama_kv_cache_poly *>(mem)) {
+        res.push_back(poly);
+    }
+    return res;
 }
 
 bool llama_polykv_is_active(const struct llama_context * ctx) {
@@ -1114,7 +1173,11 @@ int64_t llama_polykv_compress_prompt(struct llama_context * ctx) {
         return -1;
     }
     llama_synchronize(ctx); // a compaction reads the cache the last decode wrote
-    return (int64_t) poly->compress_prompt();
+    int64_t n_freed = 0;
+    for (auto * p : get_polys(ctx)) {
+        n_freed += (int64_t) p->compress_prompt();
+    }
+    return n_freed;
 }
 
 int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const llama_token * prefix, int32_t n_prefix,
@@ -1134,19 +1197,23 @@ int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const lla
 }
 
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max) {
-    auto * poly = get_poly(ctx);
-    if (!poly) {
+    const auto polys = get_polys(ctx);
+    if (polys.empty()) {
         return 0;
     }
+    // several sequences: cells, evictions and bytes summed over the sequences' caches; FullKV is the stock cache of
+    // the whole context
+    const auto * seqs = dynamic_cast<const llama_kv_cache_poly_seqs *>(llama_get_memory(ctx));
+    const uint32_t n_ctx_total = seqs ? seqs->get_n_ctx_total() : polys.front()->get_n_ctx();
     int32_t n = 0;
-    const int32_t n_layer = poly->get_plan().n_layer;
+    const int32_t n_layer = polys.front()->get_plan().n_layer;
     for (int32_t il = 0; il < n_layer; ++il) {
-        const int32_t g = poly->group_of(il);
+        const int32_t g = polys.front()->group_of(il);
         if (g < 0) {
             continue;
         }
         if (n < n_max && out) {
-            const auto & grp = poly->get_group(g);
+            const auto & grp = polys.front()->get_group(g);
             auto & s = out[n];
             s.layer           = il;
             s.group           = g;
@@ -1154,11 +1221,18 @@ int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct ll
             s.pattern_decode  = grp.phase[1].pattern;
             s.budget_prefill  = grp.phase[0].pattern == LLAMA_POLYKV_FULLKV ? -1 : grp.phase[0].budget;
             s.budget_decode   = grp.phase[1].pattern == LLAMA_POLYKV_FULLKV ? -1 : grp.phase[1].budget;
-            s.capacity        = grp.capacity;
-            s.used            = grp.kv->get_cells(0).get_used();
-            s.n_evicted       = grp.n_evicted;
-            s.bytes           = poly->group_bytes(g) / grp.layers.size();
-            s.bytes_fullkv    = (uint64_t) ((double) s.bytes / grp.capacity * poly->get_n_ctx());
+            s.capacity = 0;
+            s.used = 0;
+            s.n_evicted = 0;
+            s.bytes = 0;
+            for (const auto * poly : polys) {
+                const auto & pg = poly->get_group(g);
+                s.capacity  += pg.capacity;
+                s.used      += pg.kv->get_cells(0).get_used();
+                s.n_evicted += pg.n_evicted;
+                s.bytes     += poly->group_bytes(g) / pg.layers.size();
+            }
+            s.bytes_fullkv    = (uint64_t) ((double) s.bytes / s.capacity * n_ctx_total);
         }
         n++;
     }
@@ -1219,4 +1293,20 @@ int32_t llama_polykv_layer_per_head(const struct llama_context * ctx, int32_t il
 
 const char * llama_polykv_pattern_str(int32_t pattern) {
     return llama_polykv_pattern_name(pattern);
+}
+
+int32_t llama_polykv_seq_get_kept_positions(const struct llama_context * ctx, llama_seq_id seq_id, int32_t il, int32_t head,
+                                            llama_pos * out, int32_t n_max) {
+    auto * poly = get_poly(ctx, seq_id);
+    if (!poly || il < 0 || il >= poly->get_plan().n_layer || poly->group_of(il) < 0 ||
+        head >= (int32_t) poly->get_group(poly->group_of(il)).n_head_kv) {
+        set_last_error(poly ? "layer " + std::to_string(il) + " head " + std::to_string(head) + " is out of range" :
+                              "the context has no PolyKV plan, or no sequence " + std::to_string(seq_id));
+        return -1;
+    }
+    const auto pos = poly->kept_positions(il, head);
+    for (int32_t i = 0; i < (int32_t) pos.size() && i < n_max && out; ++i) {
+        out[i] = pos[i];
+    }
+    return (int32_t) pos.size();
 }

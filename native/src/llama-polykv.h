@@ -13,6 +13,7 @@
 #include "llama-graph.h"
 #include "llama-kv-cache.h"
 #include "llama-memory.h"
+#include "llama-io.h"
 
 #include <array>
 #include <memory>
@@ -122,7 +123,9 @@ public:
                          bool   v_trans,
                          bool   offload,
                      uint32_t   n_ctx,
-                     uint32_t   n_ubatch);
+                     uint32_t   n_ubatch,
+                 llama_seq_id   seq = 0,
+                     uint32_t   n_seq_max = 1);
 
     ~llama_kv_cache_poly() = default;
 
@@ -163,6 +166,8 @@ public:
 
     const llama_polykv_plan & get_plan() const { return plan; }
     uint32_t get_n_ctx() const { return n_ctx; }
+    // the sequence this cache holds (a context of several sequences has one llama_kv_cache_poly per sequence)
+    llama_seq_id get_seq() const { return seq; }
 
     // remember where the tokens of a ubatch went, reset the score state of those cells
     void on_placed(uint32_t g, const std::vector<uint32_t> & cells, const llama_ubatch & ubatch);
@@ -213,6 +218,8 @@ private:
     const bool offload;
     const ggml_type type_k;
     const ggml_type type_v;
+    const llama_seq_id seq;      // the one sequence this cache holds
+    const uint32_t n_seq_max;    // the context's (the stock group caches take seq ids below it)
 
     // exact prefill: keep the whole prompt, compress it once when decoding starts (caches of n_ctx cells);
     // portable (mode 2): also one group per layer that keeps the score state of every pattern, so that the
@@ -228,6 +235,9 @@ private:
     // but the next token still comes at pos_next, so seq_pos_max reports it; seq_rm and clear move it back
     llama_pos pos_next = 0;
 
+    // the prompt was compressed (or decoding started): tokens fed from now on are a follow-up (plan.followup_decode)
+    bool prompt_done = false;
+
     bool kvzip_active = false; // a reconstruction pass is running
     bool kvzip_scored = false; // the prompt in the cache was scored by one
     bool kvzip_warned = false;
@@ -235,6 +245,9 @@ private:
     bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f; }
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
+    // how a group compresses prompt tokens: the prefill phase, or for a follow-up under a "followup": "decode" plan
+    // the decode pattern at the prefill budget
+    llama_polykv_phase_plan prompt_phase(const group & grp) const;
 
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
@@ -275,6 +288,8 @@ public:
     llama_kv_cache_poly_context(llama_memory_status status);
     llama_kv_cache_poly_context(llama_kv_cache_poly * kv);                                          // full
     llama_kv_cache_poly_context(llama_kv_cache_poly * kv, std::vector<llama_ubatch> ubatches);      // batch
+    // several sequences: ubatch i goes to the cache of its sequence, ubatch_kv[i]
+    llama_kv_cache_poly_context(std::vector<llama_kv_cache_poly *> ubatch_kv, std::vector<llama_ubatch> ubatches);
 
     bool next()  override;
     bool apply() override;
@@ -296,8 +311,76 @@ private:
 
     size_t i_cur = 0;
     std::vector<llama_ubatch> ubatches;
+    std::vector<llama_kv_cache_poly *> ubatch_kv; // empty: every ubatch goes to kv
 
     std::vector<llama_memory_context_ptr> group_ctxs;
+};
+
+//
+// llama_kv_cache_poly_seqs: several sequences with a plan
+//
+
+// One llama_kv_cache_poly per sequence, each with the plan's budgets in every layer: one sequence's tokens never
+// evict another's, and every sequence is compressed exactly as it would be alone. A ubatch holds the tokens of one
+// sequence (llama_batch_allocr::split_seq), so sequences decoded together take one ubatch each; a token that
+// belongs to several sequences at once is refused (decode it per sequence, or copy with llama_memory_seq_cp).
+class llama_kv_cache_poly_seqs : public llama_memory_i {
+public:
+    llama_kv_cache_poly_seqs(std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs, uint32_t n_ctx_total);
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) override;
+    llama_memory_context_ptr init_full() override;
+    llama_memory_context_ptr init_update(llama_context * lctx, bool optimize) override;
+
+    bool get_can_shift() const override { return false; }
+
+    void clear(bool data) override;
+
+    bool seq_rm  (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1) override;
+    void seq_cp  (llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) override;
+    void seq_keep(llama_seq_id seq_id)                                                          override;
+    void seq_add (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1, llama_pos shift) override;
+    void seq_div (llama_seq_id seq_id,                              llama_pos p0, llama_pos p1, int d) override;
+
+    llama_pos seq_pos_min(llama_seq_id seq_id) const override;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const override;
+
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override;
+
+    void state_write(llama_io_write_i & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) const override;
+    void state_read (llama_io_read_i  & io, llama_seq_id seq_id = -1, llama_state_seq_flags flags = 0) override;
+
+    uint32_t n_seq() const { return seqs.size(); }
+    // the cache of sequence s (nullptr when out of range)
+    llama_kv_cache_poly * get_seq(llama_seq_id s) const;
+    // cells a stock cache of this context would hold (unified: n_ctx; one stream per sequence: n_seq x n_ctx_seq)
+    uint32_t get_n_ctx_total() const { return n_ctx_total; }
+
+private:
+    std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs;
+    const uint32_t n_ctx_total;
+};
+
+// in-memory llama_io: moving cells through the stock cache's own state format (compaction, resize, seq_cp)
+class llama_polykv_io_write : public llama_io_write_i {
+public:
+    void write(const void * src, size_t size) override;
+    void write_tensor(ggml_tensor * tensor, size_t offset, size_t size) override;
+    size_t n_bytes() override { return buf.size(); }
+
+    std::vector<uint8_t> buf;
+};
+
+class llama_polykv_io_read : public llama_io_read_i {
+public:
+    explicit llama_polykv_io_read(const std::vector<uint8_t> & buf) : buf(buf) {}
+    void read(void * dst, size_t size) override;
+    void read_tensor(ggml_tensor * tensor, size_t offset, size_t size) override;
+    size_t n_bytes() override { return pos; }
+
+private:
+    const std::vector<uint8_t> & buf;
+    size_t pos = 0;
 };
 
 // Expected Attention looks this many positions ahead (kvpress's n_future_positions)

@@ -1,0 +1,187 @@
+// PolyKV with several sequences: one llama_kv_cache_poly per sequence (see llama_kv_cache_poly_seqs in
+// llama-polykv.h and docs/design.md)
+
+#include "llama-polykv.h"
+
+#include "llama-impl.h"
+#include "llama-batch.h"
+
+#include <stdexcept>
+
+llama_kv_cache_poly_seqs::llama_kv_cache_poly_seqs(std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs, uint32_t n_ctx_total) :
+    seqs(std::move(seqs)), n_ctx_total(n_ctx_total) {
+}
+
+llama_kv_cache_poly * llama_kv_cache_poly_seqs::get_seq(llama_seq_id s) const {
+    return s >= 0 && (size_t) s < seqs.size() ? seqs[s].get() : nullptr;
+}
+
+llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all) {
+    GGML_UNUSED(embd_all);
+
+    balloc.split_reset();
+
+    std::vector<llama_ubatch> ubatches;
+    std::vector<llama_kv_cache_poly *> ubatch_kv;
+    while (true) {
+        auto ubatch = balloc.split_seq(n_ubatch); // the tokens of one sequence set, in order
+        if (ubatch.n_tokens == 0) {
+            break;
+        }
+        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+            if (ubatch.n_seq_id[i] != 1) {
+                LLAMA_LOG_ERROR("%s: PolyKV: a token of the batch belongs to %d sequences; with a plan every sequence has caches "
+                                "of its own: decode the token for each sequence, or decode it once and copy it with "
+                                "llama_memory_seq_cp\n", __func__, ubatch.n_seq_id[i]);
+                return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
+        }
+        auto * poly = get_seq(ubatch.seq_id[0][0]);
+        if (!poly) {
+            LLAMA_LOG_ERROR("%s: PolyKV: sequence %d is out of range (n_seq_max %u)\n", __func__, ubatch.seq_id[0][0], n_seq());
+            return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+        ubatch_kv.push_back(poly);
+        ubatches.push_back(std::move(ubatch)); // NOLINT
+    }
+
+    if (ubatches.empty() || balloc.get_n_used() < balloc.get_n_tokens()) {
+        return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+    }
+
+    return std::make_unique<llama_kv_cache_poly_context>(std::move(ubatch_kv), std::move(ubatches));
+}
+
+llama_memory_context_ptr llama_kv_cache_poly_seqs::init_full() {
+    // every sequence's caches have the same layout: the worst-case graph of one serves all
+    return seqs.front()->init_full();
+}
+
+llama_memory_context_ptr llama_kv_cache_poly_seqs::init_update(llama_context * lctx, bool optimize) {
+    GGML_UNUSED(lctx);
+    GGML_UNUSED(optimize);
+    return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_NO_UPDATE);
+}
+
+void llama_kv_cache_poly_seqs::clear(bool data) {
+    for (auto & s : seqs) {
+        s->clear(data);
+    }
+}
+
+bool llama_kv_cache_poly_seqs::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
+    if (seq_id < 0) {
+        bool res = true;
+        for (auto & s : seqs) {
+            res = s->seq_rm(s->get_seq(), p0, p1) && res;
+        }
+        return res;
+    }
+    auto * poly = get_seq(seq_id);
+    return poly ? poly->seq_rm(seq_id, p0, p1) : false;
+}
+
+// the destination holds what the source's layers keep of [p0, p1) afterwards (what it held before is replaced):
+// the source's cells and score state move through the state format, so the copy evicts as the source would
+void llama_kv_cache_poly_seqs::seq_cp(llama_seq_id seq_id_src, llama_seq_id seq_id_dst, llama_pos p0, llama_pos p1) {
+    auto * src = get_seq(seq_id_src);
+    auto * dst = get_seq(seq_id_dst);
+    if (!src || !dst || src == dst) {
+        return;
+    }
+    try {
+        llama_polykv_io_write w;
+        src->state_write(w, seq_id_src);
+        llama_polykv_io_read r(w.buf);
+        dst->seq_rm(seq_id_dst, -1, -1);
+        dst->state_read(r, seq_id_dst);
+        if (p0 > 0) {
+            dst->seq_rm(seq_id_dst, 0, p0);
+        }
+        if (p1 >= 0) {
+            dst->seq_rm(seq_id_dst, p1, -1);
+        }
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("%s: PolyKV: copying sequence %d to %d failed: %s\n", __func__, seq_id_src, seq_id_dst, e.what());
+        dst->seq_rm(seq_id_dst, -1, -1);
+    }
+}
+
+void llama_kv_cache_poly_seqs::seq_keep(llama_seq_id seq_id) {
+    for (auto & s : seqs) {
+        if (s->get_seq() != seq_id) {
+            s->clear(true);
+        }
+    }
+}
+
+void llama_kv_cache_poly_seqs::seq_add(llama_seq_id seq_id, llama_pos p0, llama_pos p1, llama_pos shift) {
+    seqs.front()->seq_add(seq_id, p0, p1, shift); // not supported: warns
+}
+
+void llama_kv_cache_poly_seqs::seq_div(llama_seq_id seq_id, llama_pos p0, llama_pos p1, int d) {
+    seqs.front()->seq_div(seq_id, p0, p1, d); // not supported: warns
+}
+
+llama_pos llama_kv_cache_poly_seqs::seq_pos_min(llama_seq_id seq_id) const {
+    const auto * poly = get_seq(seq_id);
+    return poly ? poly->seq_pos_min(seq_id) : -1;
+}
+
+llama_pos llama_kv_cache_poly_seqs::seq_pos_max(llama_seq_id seq_id) const {
+    const auto * poly = get_seq(seq_id);
+    return poly ? poly->seq_pos_max(seq_id) : -1;
+}
+
+std::map<ggml_backend_buffer_type_t, size_t> llama_kv_cache_poly_seqs::memory_breakdown() const {
+    std::map<ggml_backend_buffer_type_t, size_t> mb;
+    for (const auto & s : seqs) {
+        for (const auto & [buft, size] : s->memory_breakdown()) {
+            mb[buft] += size;
+        }
+    }
+    return mb;
+}
+
+static const uint32_t POLYKV_SEQS_STATE_MAGIC = 0x504b5353; // "PKSS"
+
+// the whole context: every sequence's cache in turn; one sequence: that sequence's cache alone (a slot's state
+// loads into any sequence of a context with the same plan)
+void llama_kv_cache_poly_seqs::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
+    if (seq_id >= 0) {
+        const auto * poly = get_seq(seq_id);
+        if (!poly) {
+            throw std::runtime_error("PolyKV: no sequence " + std::to_string(seq_id) + " in this context");
+        }
+        poly->state_write(io, seq_id, flags);
+        return;
+    }
+    const uint32_t n = seqs.size();
+    io.write(&POLYKV_SEQS_STATE_MAGIC, sizeof(POLYKV_SEQS_STATE_MAGIC));
+    io.write(&n, sizeof(n));
+    for (const auto & s : seqs) {
+        s->state_write(io, -1, flags);
+    }
+}
+
+void llama_kv_cache_poly_seqs::state_read(llama_io_read_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) {
+    if (seq_id >= 0) {
+        auto * poly = get_seq(seq_id);
+        if (!poly) {
+            throw std::runtime_error("PolyKV: no sequence " + std::to_string(seq_id) + " in this context");
+        }
+        poly->state_read(io, seq_id, flags);
+        return;
+    }
+    uint32_t magic = 0;
+    uint32_t n = 0;
+    io.read(&magic, sizeof(magic));
+    io.read(&n, sizeof(n));
+    if (magic != POLYKV_SEQS_STATE_MAGIC || n != seqs.size()) {
+        throw std::runtime_error("PolyKV: the saved state is not one of " + std::to_string(seqs.size()) +
+                                 " sequences with a plan (saved with another n_seq_max, plan or model)");
+    }
+    for (auto & s : seqs) {
+        s->state_read(io, -1, flags);
+    }
+}

@@ -1,0 +1,90 @@
+"""A plan's `followup`: how tokens fed after its prompt was compressed (the question after a compressed document,
+the next turn of a chat) are merged into the cache."""
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from polykv_cpp.api import Model
+from polykv_cpp.errors import PlanError
+from polykv_cpp.plan import Plan, uniform_plan
+from tiny_models import TinyConfig, write_tiny_gguf
+
+CFG = TinyConfig(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=384)
+BUDGET = 48
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("followup") / "tiny.gguf", CFG, seed=21)
+
+
+def plan(prefill: str, followup: str, selection: str) -> Plan:
+    p = uniform_plan(CFG.n_layer, prefill, BUDGET, selection=selection, decode_pattern="snapkv")
+    for lp in p.layers:  # the decode SnapKV: an observation window of 8 queries
+        lp.decode = replace(lp.decode, window=8, obs_window=8)
+    return replace(p, followup=followup)
+
+
+def kept(ctx, heads):
+    return [[ctx.kept_positions(il, h) for h in heads] for il in range(CFG.n_layer)]
+
+
+def test_followup_key_round_trips_and_is_checked_by_both_parsers(path):
+    p = plan("tova", "decode", "layer")
+    assert json.loads(p.to_json())["followup"] == "decode"
+    assert Plan.from_json(p.to_json()).followup == "decode"
+    assert "followup" not in json.loads(replace(p, followup="prefill").to_json())  # plans without it are unchanged
+    bad = json.loads(p.to_json())
+    bad["followup"] = "question"
+    with pytest.raises(PlanError, match="followup"):
+        Plan.from_dict(bad)
+    with Model(path) as model:
+        with pytest.raises(PlanError, match="followup"):
+            model._set_native_plan(json.dumps(bad), 0)
+
+
+@pytest.mark.parametrize("selection", ["layer", "head"])
+def test_a_question_after_the_compression_is_merged_by_the_decode_pattern(path, selection):
+    """followup "decode": the question is merged in as a plan whose prefill pattern is the decode SnapKV would merge
+    it, from the same compressed document (a portable state moves the cache between the two plans)."""
+    rng = np.random.default_rng(5)
+    doc = [int(t) for t in rng.integers(3, CFG.n_vocab, size=200)]
+    question = [int(t) for t in rng.integers(3, CFG.n_vocab, size=30)]
+    heads = [None] + (list(range(CFG.n_head_kv)) if selection == "head" else [])
+    kw = dict(n_ctx=512, n_batch=512, n_ubatch=64)
+    with Model(path) as model:
+        model.set_plan(plan("tova", "decode", selection), prefill="portable")
+        with model.context(**kw) as ctx:
+            ctx.decode(doc)
+            ctx.compress_prompt()  # the document, by TOVA
+            compressed = ctx.state_bytes()
+            after_doc = kept(ctx, heads)
+            ctx.decode(question)
+            ctx.decode([7])  # the answer starts: the question is merged in
+            got = kept(ctx, heads)
+
+        snap_plan = plan("tova", "prefill", selection)
+        for lp in snap_plan.layers:  # prefill = the decode SnapKV above
+            lp.prefill = replace(lp.decode)
+        model.set_plan(snap_plan, prefill="portable")
+        with model.context(**kw) as ctx:
+            ctx.load_state_bytes(compressed)
+            assert kept(ctx, heads) == after_doc
+            ctx.decode(question)
+            ctx.decode([7])
+            want = kept(ctx, heads)
+
+        model.set_plan(plan("tova", "prefill", selection), prefill="portable")
+        with model.context(**kw) as ctx:  # the default: TOVA merges the question too
+            ctx.load_state_bytes(compressed)
+            ctx.decode(question)
+            ctx.decode([7])
+            default = kept(ctx, heads)
+    assert got == want
+    assert got != default
+    for layer in got:  # every head (or the layer) keeps its budget
+        for k in layer[1:] if selection == "head" else layer:
+            assert len(k) == BUDGET
