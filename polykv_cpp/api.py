@@ -558,10 +558,10 @@ class Context:
             self._n_past += len(chunk)
 
     def decode_sequences(self, tokens_by_seq: Mapping[int, Sequence[int]]) -> dict[int, int]:
-        """Append tokens to several sequences in one llama_decode call per n_batch tokens (a context created with
-        ``n_seq_max`` > their ids); each sequence continues at its own next position. Returns, per sequence, the
-        output index of its last token for `logits(i)`. With a plan every sequence has caches of its own, each with
-        the plan's budgets (one ubatch per sequence)."""
+        """Append tokens to several sequences in one llama_decode call, at most n_batch tokens in all (a context
+        created with ``n_seq_max`` > their ids); each sequence continues at its own next position. Returns, per
+        sequence, the batch index of its last token, for `logits(i)`. With a plan every sequence has caches of its
+        own, each with the plan's budgets (one ubatch per sequence)."""
         items = []
         for seq, toks in tokens_by_seq.items():
             if not toks:
@@ -584,6 +584,8 @@ class Context:
             detail = _native.log_since(mark) or "no detail logged"
             raise NativeError(f"llama_decode failed (code {rc}) for sequences {sorted(tokens_by_seq)}: {detail}")
         self._restored_logits = None
+        if 0 in tokens_by_seq:
+            self._n_past = self.pos_max() + 1
         return out
 
     def logits(self, i: int = -1) -> np.ndarray:
