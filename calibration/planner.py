@@ -37,7 +37,9 @@ def phase_plan_for(pattern: P.Pattern, budget: int | None):
     n_sink = int(getattr(pattern, "n_sink", 0) or 0)
     window = getattr(pattern, "window", None)
     obs = getattr(pattern, "obs_window", None) if name in ("snapkv", "pyramidkv") else None
-    pk = getattr(pattern, "pool_kernel", None) if name in ("snapkv", "pyramidkv") else None
+    pk = getattr(pattern, "pool_kernel", None) if name in plan_mod.POOLED_PATTERNS else None
+    if name not in ("snapkv", "pyramidkv") and pk == 1:
+        pk = None  # no pooling: the plan leaves the key out, as before pooling applied to them
     if name == "streamingllm":
         window = None
         n_sink = min(n_sink, max(0, budget - 1))

@@ -369,7 +369,8 @@ class KVzip(Pattern):
     first starts with the 8 tokens before it); a prompt token's score is the LARGEST probability any
     reconstruction query of any query head gives it (per KV head: of its own query heads; the paper and
     kvpress take the same max over queries and grouped heads), then the ``budget`` highest are
-    kept, with ``n_sink`` (4, as kvpress's KVzipPress) and ``window`` (0) protected. ``attn`` here is the reconstruction
+    kept, with ``n_sink`` (4, as kvpress's KVzipPress) and ``window`` (0) protected; ``pool_kernel`` > 1 first takes
+    the maximum over neighbouring positions, as SnapKV's pooling (1, none, as the paper). ``attn`` here is the reconstruction
     queries' attention ``[..., n_head, n_recon, n_key]`` over the prompt keys (softmax over the prompt and the
     reconstruction tokens before it; :func:`simulate` takes it as ``recon_attn``). The reconstruction tokens
     never stay in the cache. Prefill only: a decode phase cannot use it. Tokens that arrive after the pass
@@ -382,6 +383,7 @@ class KVzip(Pattern):
 
     n_sink: int = 4
     window: int = 0
+    pool_kernel: int = 1
     name: ClassVar[str] = "kvzip"
     needs_attention: ClassVar[bool] = True
     query_rows: ClassVar[str] = "reconstruction"
@@ -391,7 +393,7 @@ class KVzip(Pattern):
         attn = np.asarray(attn, dtype=np.float64)
         if attn.ndim < 3:
             raise ValueError("attention must be [..., n_head, n_query, n_key]")
-        return _protect(attn.max(axis=(-3, -2)), budget, self.n_sink, self.window)
+        return _protect(pool1d(attn.max(axis=(-3, -2)), self.pool_kernel), budget, self.n_sink, self.window)
 
 
 @dataclass(frozen=True)
@@ -452,7 +454,9 @@ class ExpectedAttention(Pattern):
     logit ``scale * (R mu).k + scale^2 / 2 * k^T (R S R^T) k`` from query head ``h``; a softmax over the keys
     beyond the sinks, averaged over a KV head's query heads and multiplied by ``||v||``, is the KV head's score.
     The ``budget`` highest are kept, the first ``n_sink`` (4, as kvpress) protected. One set per layer ranks by
-    the mean of the KV heads' scores. ``stats`` is a :class:`QueryStatistics`; no leading batch dimensions. Prefill only (the runtime scores
+    the mean of the KV heads' scores; ``pool_kernel`` > 1 then takes the maximum over neighbouring positions, as
+    SnapKV's pooling (1, none, as the paper and kvpress), so the tokens after a high-scored one (a value after its
+    key) rank with it. ``stats`` is a :class:`QueryStatistics`; no leading batch dimensions. Prefill only (the runtime scores
     a prompt when it compresses it: after every ubatch in chunked prefill, from the statistics so far).
     Limits: models with plain RoPE only (no YaRN or frequency factors); the Gaussian model of the queries is
     weakest where attention is sharp (retrieval heads); with chunked prefill, tokens are scored by the queries
@@ -461,6 +465,7 @@ class ExpectedAttention(Pattern):
 
     n_sink: int = 4
     window: int = 0
+    pool_kernel: int = 1
     name: ClassVar[str] = "expected_attention"
     needs_keys: ClassVar[bool] = True
     query_rows: ClassVar[str] = "statistics"
@@ -489,7 +494,8 @@ class ExpectedAttention(Pattern):
     def scores(self, budget, n_key, *, attn=None, keys=None, acc=None, stats=None):
         if stats is None:
             raise ValueError("expected_attention needs stats (QueryStatistics)")
-        return _protect(self.head_scores(keys, stats).mean(axis=0), budget, self.n_sink, self.window)
+        sc = pool1d(self.head_scores(keys, stats).mean(axis=0), self.pool_kernel)
+        return _protect(sc, budget, self.n_sink, self.window)
 
 
 #: name -> pattern class. Order is the tie-break order when two patterns score the same in calibration.

@@ -111,6 +111,9 @@ DEFAULT_PARAMS: dict[str, dict[str, int | None]] = {
     "fullkv": {},
 }
 
+#: Patterns whose scores the plan's ``pool_kernel`` max-pools over neighbouring positions before the selection.
+POOLED_PATTERNS: tuple[str, ...] = ("snapkv", "pyramidkv", "kvzip", "expected_attention")
+
 _SHARE_TOL = 1e-6
 #: the native runtime keeps counts in int32: larger numbers are refused by both parsers
 INT32_MAX = 2**31 - 1
@@ -223,7 +226,8 @@ class PhasePlan:
         window: most recent tokens always kept; inside the budget. None: not used by the pattern, or for
             StreamingLLM "the rest of the budget".
         obs_window: SnapKV/PyramidKV observation window (last queries used for scoring; kept).
-        pool_kernel: SnapKV/PyramidKV 1-D pooling kernel size over positions (odd), None = no pooling.
+        pool_kernel: 1-D max-pooling kernel over positions (odd) of SnapKV/PyramidKV/KVzip/Expected Attention
+            scores, None = no pooling.
         selection: "layer" (one token set per layer, shared by its KV heads) or "head" (each KV head keeps its
             own ``budget`` tokens by its own scores; :data:`PER_HEAD_PATTERNS` only). JSON omits "layer".
     """

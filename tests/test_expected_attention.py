@@ -85,12 +85,13 @@ def test_reference_scores_equal_kvpress(twin, hf_layers, il):
     assert (theirs[:, :N_SINK] > theirs[:, N_SINK:].max()).all()
 
 
-def ea_plan(il: int, selection: str = "layer", budget: int = BUDGET) -> plan_mod.Plan:
+def ea_plan(il: int, selection: str = "layer", budget: int = BUDGET, pool_kernel: int | None = None) -> plan_mod.Plan:
     """Layer il: expected_attention prefill (SnapKV decode); the other layer FullKV."""
     layers = []
     for j in range(CFG.n_layer):
         if j == il:
-            pre = plan_mod.PhasePlan("expected_attention", budget=budget, n_sink=N_SINK, window=0, selection=selection)
+            pre = plan_mod.PhasePlan("expected_attention", budget=budget, n_sink=N_SINK, window=0, selection=selection,
+                                     pool_kernel=pool_kernel)
             dec = plan_mod.PhasePlan("snapkv", budget=budget, selection=selection, n_sink=0, window=2, obs_window=6,
                                      pool_kernel=3)
         else:
@@ -116,9 +117,9 @@ def run_native(path, plan, toks, il, *, prefill="exact", flash_attn="on", n_ubat
                      else ctx.kept_scores(il)) for h in range(CFG.n_head_kv)]
 
 
-def reference_kept(twin, hf_layers, il, selection):
+def reference_kept(twin, hf_layers, il, selection, pool_kernel=1):
     _, _, _, _, keys, _, _, _ = hf_layers[il]
-    pat = ExpectedAttention(n_sink=N_SINK)
+    pat = ExpectedAttention(n_sink=N_SINK, pool_kernel=pool_kernel)
     stats = reference_stats(twin, hf_layers, il)
     heads = pat.head_scores(keys, stats)
     if selection == "head":
@@ -140,6 +141,20 @@ def test_native_keeps_what_the_reference_keeps(twin, tokens, hf_layers, il, sele
         assert list(kept) == [int(x) for x in ref_kept], (il, selection, g)
         beyond = np.asarray(kept) >= N_SINK
         np.testing.assert_allclose(np.asarray(scores)[beyond], ref_scores[np.asarray(kept)[beyond]], rtol=1e-2)
+
+
+@pytest.mark.parametrize("selection", ["layer", "head"])
+def test_pooled_scores_keep_what_the_pooled_reference_keeps(twin, tokens, hf_layers, selection):
+    """`pool_kernel` 5: a token ranks by the best score within 2 places, natively as in the reference; the kept set
+    is not the unpooled one."""
+    _, path = twin
+    il = 1
+    got = run_native(path, ea_plan(il, selection, pool_kernel=5), tokens, il)
+    ref = reference_kept(twin, hf_layers, il, selection, pool_kernel=5)
+    unpooled = reference_kept(twin, hf_layers, il, selection)
+    for g, ((kept, _), (ref_kept, _), (plain, _)) in enumerate(zip(got, ref, unpooled)):
+        assert list(kept) == [int(x) for x in ref_kept], (selection, g)
+    assert any(list(r) != list(u) for (r, _), (u, _) in zip(ref, unpooled))
 
 
 @pytest.mark.parametrize("mode", ["ubatches", "portable", "state"])

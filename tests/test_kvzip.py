@@ -41,12 +41,14 @@ def recon_attn(twin, tokens):
     return {il: np.concatenate(r, axis=1) for il, r in rows.items()}
 
 
-def kvzip_plan(il: int, selection: str = "layer", budget: int = B_PREFILL, decode_budget: int = B_DECODE) -> plan_mod.Plan:
+def kvzip_plan(il: int, selection: str = "layer", budget: int = B_PREFILL, decode_budget: int = B_DECODE,
+               pool_kernel: int | None = None) -> plan_mod.Plan:
     """Layer il: kvzip prefill, SnapKV decode; the other layer FullKV."""
     layers = []
     for j in range(CFG.n_layer):
         if j == il:
-            pre = plan_mod.PhasePlan("kvzip", budget=budget, n_sink=1, window=2, selection=selection)
+            pre = plan_mod.PhasePlan("kvzip", budget=budget, n_sink=1, window=2, selection=selection,
+                                     pool_kernel=pool_kernel)
             dec = plan_mod.PhasePlan("snapkv", budget=decode_budget, selection=selection, **PHASE_PARAMS["snapkv"])
         else:
             pre, dec = plan_mod.PhasePlan("fullkv"), plan_mod.PhasePlan("fullkv")
@@ -91,6 +93,21 @@ def test_kvzip_kept_positions_equal_reference(twin, tokens, hf_reference, recon_
         assert kept[0][h] == ref[h].prefill_kept.tolist(), f"head {h} after the KVzip compression"
         for step in range(N):
             assert kept[step + 1][h] == ref[h].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
+
+
+@pytest.mark.parametrize("selection", ["layer", "head"])
+def test_pooled_kvzip_keeps_what_the_pooled_reference_keeps(twin, tokens, hf_reference, recon_attn, selection):
+    """`pool_kernel` 5 max-pools the reconstruction scores over neighbouring positions, natively as in the
+    reference; the kept set differs from the unpooled one."""
+    _, path = twin
+    layer = 1
+    plan = kvzip_plan(layer, selection, pool_kernel=5)
+    kept, _ = run_kvzip(path, plan, tokens, layer)
+    ref = reference(hf_reference, recon_attn, plan, layer)
+    unpooled = reference(hf_reference, recon_attn, kvzip_plan(layer, selection), layer)
+    for h in range(CFG.n_head_kv):
+        assert kept[0][h] == ref[h].prefill_kept.tolist(), f"head {h} after the KVzip compression"
+    assert any(ref[h].prefill_kept.tolist() != unpooled[h].prefill_kept.tolist() for h in range(CFG.n_head_kv))
 
 
 @pytest.mark.parametrize("prefill", ["exact", "portable"])

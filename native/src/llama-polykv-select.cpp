@@ -206,6 +206,22 @@ static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, in
     }
 }
 
+// as polykv_cpp.patterns.pool1d(x, kernel, "max"): the largest score within kernel / 2 places on either side, so a
+// token next to a high-scored one (the digits after a needle's key) ranks with it
+static std::vector<double> max_pool(const std::vector<double> & x, int32_t kernel) {
+    const int32_t n = x.size();
+    const int32_t h = kernel / 2;
+    std::vector<double> out(n);
+    for (int32_t i = 0; i < n; ++i) {
+        double m = -INFINITY;
+        for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
+            m = std::max(m, x[k]);
+        }
+        out[i] = m;
+    }
+    return out;
+}
+
 // the score each token of one set ranks by under pattern pp, before sinks and windows are protected; items are
 // (pos, cell) sorted by position, off the state offset of the set (head_off(h) for head h, 0 for a layer)
 static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
@@ -238,14 +254,7 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
                         raw[i] += grp.ring[r][off + items[i].second];
                     }
                 }
-                const int32_t h = pp.pool_kernel / 2;
-                for (int32_t i = 0; i < n; ++i) {
-                    double m = -INFINITY;
-                    for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
-                        m = std::max(m, raw[k]);
-                    }
-                    sc[i] = m;
-                }
+                sc = max_pool(raw, pp.pool_kernel);
             } break;
         case LLAMA_POLYKV_KVZIP:
             for (int32_t i = 0; i < n; ++i) {
@@ -264,6 +273,9 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
             break;
         case LLAMA_POLYKV_FULLKV:
             break;
+    }
+    if (pp.pool_kernel > 1 && (pp.pattern == LLAMA_POLYKV_KVZIP || pp.pattern == LLAMA_POLYKV_EXPECTED_ATTENTION)) {
+        sc = max_pool(sc, pp.pool_kernel);
     }
     return sc;
 }
