@@ -276,13 +276,14 @@ class _Measure:
 
 def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget: int, b_min: int,
           provenance=None, rule: str = "search"):
-    """A plan with `patterns[l]` at `budgets[l]` in both phases (each pattern's default parameters)."""
+    """A plan with `patterns[l]` at `budgets[l]` in both phases (each pattern's default parameters but the
+    pooling kernel of a name such as "snapkv@23")."""
     from polykv_cpp import plan as plan_mod
 
     layers = []
     for il, (name, b) in enumerate(zip(patterns, budgets)):
-        base, selection = plan_mod.split_selection(name)  # "snapkv-head": the layer selects per KV head
-        one = plan_mod.uniform_plan(1, base, int(b), b_min=min(b_min, int(b)), selection=selection)
+        base, selection, params = plan_mod.split_method(name)  # "snapkv-head": the layer selects per KV head
+        one = plan_mod.uniform_plan(1, base, int(b), b_min=min(b_min, int(b)), selection=selection, **params)
         layers.append(plan_mod.LayerPlan(il, one.layers[0].prefill, one.layers[0].decode))
     return plan_mod.Plan(version=plan_mod.PLAN_FORMAT_VERSION, n_layer=n_layer, budget_avg=budget, b_min=b_min,
                          budget_rule=rule, layers=layers, provenance=provenance or plan_mod.Provenance.now(),
@@ -313,22 +314,22 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         raise CalibrationError("--out must be a new file: the model file is never modified in place")
     def _budgeted(p: str) -> bool:
         try:
-            base = plan_mod.split_selection(p)[0]
+            base = plan_mod.split_method(p)[0]
         except plan_mod.PlanError:
             return False
         return base in plan_mod.KNOWN_PATTERNS and base != plan_mod.FULLKV
 
     bad = [p for p in patterns if not _budgeted(p)]
     if bad or not patterns:
-        raise CalibrationError(f"runtime calibration patterns must be budgeted patterns or their per-head variants "
-                               f"(e.g. snapkv-head; got {bad or 'none'})")
+        raise CalibrationError(f"runtime calibration patterns must be budgeted patterns or their per-head or pooling "
+                               f"variants (e.g. snapkv-head, snapkv@23; got {bad or 'none'})")
     if score_pattern is not None:
         if not _budgeted(score_pattern):
             raise CalibrationError(f"--score-pattern must be a budgeted pattern or its per-head variant (e.g. "
                                    f"kvzip-head; got {score_pattern!r})")
         budgets_from_scores = True
     # a KVzip candidate (or scorer) reconstructs each prompt after it: leave its chunk room in every context
-    room = KVZIP_ROOM if any(plan_mod.split_selection(p)[0] in plan_mod.RECONSTRUCTION_PATTERNS
+    room = KVZIP_ROOM if any(plan_mod.split_method(p)[0] in plan_mod.RECONSTRUCTION_PATTERNS
                              for p in [*patterns, *([score_pattern] if score_pattern else [])]) else 0
     from_tasks = dataset == TASKS_DATASET
     objective = objective or ("top1" if from_tasks else "kl")
@@ -347,7 +348,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
     elif n_cont < 2 or n_cont >= ctx // 2:
         raise CalibrationError(f"--n-cont must be in [2, ctx/2) (got {n_cont})")
     reserved = max(max(lp.prefill.reserved, lp.decode.reserved) for lp in
-                   (plan_mod.uniform_plan(1, plan_mod.split_selection(p)[0], budget).layers[0] for p in patterns))
+                   (build(1, [p], [budget], budget, 1).layers[0] for p in patterns))
     b_min = b_min if b_min is not None else min(budget, max(budget // 4, reserved))
     if not reserved <= b_min <= budget:
         raise CalibrationError(f"b_min {b_min} must be within [{reserved}, {budget}] (sinks + windows of the "

@@ -902,6 +902,20 @@ def split_selection(name: str) -> tuple[str, str]:
     return base, unit
 
 
+def split_method(name: str) -> tuple[str, str, dict[str, int]]:
+    """A uniform method's name: a pattern, an optional unit suffix and an optional pooling kernel after ``@``:
+    ``"snapkv-head@23"`` -> ``("snapkv", "head", {"pool_kernel": 23})``, ``"snapkv"`` -> ``("snapkv", "layer", {})``
+    (the names the evaluation and the runtime search use for variants of the default parameters)."""
+    head, at, kernel = name.partition("@")
+    base, selection = split_selection(head)
+    if not at:
+        return base, selection, {}
+    if base not in POOLED_PATTERNS or not kernel.isdigit() or int(kernel) % 2 == 0:
+        raise PlanError(f"unknown method {name!r}: '@K' sets the odd pooling kernel K of "
+                        f"{', '.join(POOLED_PATTERNS)} (e.g. snapkv@23)")
+    return base, selection, {"pool_kernel": int(kernel)}
+
+
 def _phase(pattern: str, budget: int | None, params: Mapping[str, Any], selection: str = "layer") -> PhasePlan:
     pattern = pattern.lower()
     if selection not in SELECTIONS:

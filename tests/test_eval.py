@@ -760,6 +760,30 @@ def test_per_head_baselines_run_beside_the_per_layer_ones(tiny_gguf, tmp_path):
     assert kvpress_check.PRESS_OF["snapkv-head"] == "SnapKVPress"
 
 
+def test_pooling_variants_are_baselines_with_their_kernel(tiny_gguf, tmp_path):
+    """`snapkv@15` and `snapkv-head@15` are the uniform baselines with pooling kernel 15 (the rest of the defaults
+    kept); an even kernel, or a kernel on a pattern that does not pool, is an unknown method."""
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "out"),
+                     methods=["fullkv", "snapkv", "snapkv@15", "snapkv-head@15", "pyramidkv@3"],
+                     **{**TINY_BASE, "budgets": [48], "tasks": ["niah_single"], "n_samples": 1})
+    ev = Evaluator(cfg, log=lambda m: None)
+    ev.setup()
+    ev.model.close()
+    plans = {r.method: r.plan for r in ev.runs}
+    assert plans["snapkv"].layers[0].prefill.pool_kernel == 7
+    for meth, selection in (("snapkv@15", "layer"), ("snapkv-head@15", "head")):
+        for lp in plans[meth].layers:
+            assert (lp.prefill.pool_kernel, lp.decode.pool_kernel, lp.prefill.selection) == (15, 15, selection)
+            assert lp.prefill.obs_window == 32 and lp.prefill.budget == 48
+    assert plans["pyramidkv@3"].layers[0].prefill.pool_kernel == 3
+    assert plans["pyramidkv@3"].layers[0].prefill.budget > plans["pyramidkv@3"].layers[-1].prefill.budget
+    for bad in ("snapkv@14", "h2o@15", "snapkv@x"):
+        ev = Evaluator(EvalConfig(**{**cfg.__dict__, "methods": ["fullkv", bad]}), log=lambda m: None)
+        with pytest.raises(EvalError, match="unknown method"):
+            ev.setup()
+        ev.model.close()
+
+
 def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     """scripts/paired_diff.py: a method that answers every prompt the base answers plus two more differs by a
     positive amount whose paired interval excludes 0; a copy of the base ties at exactly 0."""

@@ -173,6 +173,19 @@ def test_runtime_calibration_on_tasks(tiny_gguf, tmp_path):
                           log=lambda m: None)
 
 
+def test_search_candidates_may_set_a_pooling_kernel(tiny_gguf):
+    """A candidate `snapkv@3` is SnapKV with pooling kernel 3: the plan's layers that chose it carry the kernel,
+    and a kernel the pattern does not take is refused."""
+    res = runtime_calibrate(tiny_gguf, None, budget=48, samples=1, ctx=256, n_cont=16, patterns=("snapkv", "snapkv@3"),
+                            budget_moves=False, progress=False, log=lambda m: None)
+    assert set(res.loss_uniform) == {"snapkv", "snapkv@3"}
+    for lp in res.plan.layers:
+        assert lp.prefill.pattern == "snapkv" and lp.prefill.pool_kernel in (3, 7)
+    with pytest.raises(CalibrationError, match="pooling"):
+        runtime_calibrate(tiny_gguf, None, budget=48, samples=1, ctx=256, n_cont=16, patterns=("tova@3",),
+                          progress=False, log=lambda m: None)
+
+
 def test_cli_tasks_dataset_needs_the_runtime_method(cli_exe, tiny_gguf):
     r = run_cli(cli_exe, "calibrate", "--gguf", tiny_gguf, "--dataset", "tasks", "-q")
     assert r.returncode == 2 and "--method runtime" in r.stderr

@@ -51,6 +51,19 @@ LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv"
 HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip",
                                              "expected_attention"))
 BASELINES = LAYER_BASELINES + HEAD_BASELINES
+
+
+def is_baseline(method: str) -> bool:
+    """A uniform baseline: a name of :data:`BASELINES`, optionally with another pooling kernel (``snapkv@23``)."""
+    from polykv_cpp import plan as plan_mod
+
+    if method.partition("@")[0] not in BASELINES:
+        return False
+    try:
+        plan_mod.split_method(method)
+    except PlanError:
+        return False
+    return True
 DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
 #: cells kept free after the longest sample when a method uses KVzip: its reconstruction pass feeds the prompt
 #: again in chunks of (at most) this many tokens after it
@@ -367,7 +380,7 @@ class Evaluator:
             name, sep, path = spec.partition("=")
             if not sep or "/" in name or name.endswith((".json", ".gguf")):
                 name, path = "polykv", spec
-            if name in (FULLKV, *BASELINES):
+            if name == FULLKV or is_baseline(name):
                 raise EvalError(f"plan name {name!r} is taken by a baseline; use another NAME=FILE")
             self.plans[name] = plan_mod.load(path, n_layer=self.n_layer)
             self.plan_origin[name] = str(path)
@@ -380,14 +393,15 @@ class Evaluator:
                 raise EvalError(f"{self.model_path} holds no PolyKV plan (no polykv.plan key)")
         methods = list(dict.fromkeys(cfg.methods + [n for n in self.plans if n not in cfg.methods]))
         for meth in methods:
-            if meth not in (FULLKV, *BASELINES) and meth not in self.plans:
+            if meth != FULLKV and not is_baseline(meth) and meth not in self.plans:
                 if meth == "polykv":
                     self.notes.append("polykv: no calibrated plan (give --plan FILE or a model with a "
                                       "polykv.plan key); the calibrated plan is not evaluated")
                     continue
-                raise EvalError(f"unknown method {meth!r}: a baseline ({', '.join((FULLKV, *BASELINES))}) or a "
-                                "plan name given with --plan NAME=FILE")
-        self.methods = [x for x in methods if x in (FULLKV, *BASELINES) or x in self.plans]
+                raise EvalError(f"unknown method {meth!r}: a baseline ({', '.join((FULLKV, *BASELINES))}; "
+                                f"'@K' sets the pooling kernel of {', '.join(plan_mod.POOLED_PATTERNS)}, e.g. "
+                                "snapkv@23) or a plan name given with --plan NAME=FILE")
+        self.methods = [x for x in methods if x == FULLKV or is_baseline(x) or x in self.plans]
         self.plan_methods = [x for x in self.methods if x in self.plans]
 
         self._build_samples()
@@ -522,11 +536,12 @@ class Evaluator:
             for b in cfg.budgets:
                 run = Run(meth, b)
                 try:
-                    base, selection = plan_mod.split_selection(meth) if meth in BASELINES else (meth, "layer")
-                    if base == "pyramidkv" and meth in BASELINES:
-                        run.plan = plan_mod.pyramid_plan(self.n_layer, b, selection=selection)
-                    elif meth in BASELINES:
-                        run.plan = plan_mod.uniform_plan(self.n_layer, base, b, selection=selection)
+                    base, selection, params = (plan_mod.split_method(meth) if is_baseline(meth)
+                                               else (meth, "layer", {}))
+                    if base == "pyramidkv" and is_baseline(meth):
+                        run.plan = plan_mod.pyramid_plan(self.n_layer, b, selection=selection, **params)
+                    elif is_baseline(meth):
+                        run.plan = plan_mod.uniform_plan(self.n_layer, base, b, selection=selection, **params)
                     else:
                         run.plan = self._plan_at(self.plans[meth], b)
                         run.plan.validate(n_layer=self.n_layer)
