@@ -12,7 +12,7 @@ from typing import Any
 
 from polykv_cpp.errors import CalibrationError
 
-from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES
+from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, CALIBRATED_POOL_KERNEL, DEFAULT_SAMPLES, RUNTIME_PATTERNS
 from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, OBJECTIVES, TASKS_DATASET
 
 PROTOCOL_CHOICES = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),
@@ -56,7 +56,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         hf = hf_from_gguf(args.gguf, log=lambda m: print(m, file=sys.stderr))
     res = calibrate(
         hf, args.gguf, args.out, budget=args.budget, dataset=args.dataset, samples=args.samples, ctx=args.ctx,
-        n_cont=args.n_cont, patterns=_csv(args.patterns), phases=_csv(args.phases), b_min=args.b_min,
+        n_cont=args.n_cont, patterns=_csv(args.patterns or ",".join(DEFAULT_PATTERNS)), phases=_csv(args.phases),
+        b_min=args.b_min,
         signal=args.signal, sensitivity=args.sensitivity, budget_rule=args.budget_rule, device=args.device,
         plan_out=args.plan_out, seed=args.seed, text_field=args.text_field, split=args.split,
         pattern_params=_params(args.param), fullkv_below=args.fullkv_below,
@@ -78,7 +79,8 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         raise CalibrationError("--hf is not used by --method runtime (it measures the GGUF itself)")
     res = runtime_calibrate(
         args.gguf, args.out, budget=args.budget, samples=args.samples or RUNTIME_SAMPLES, ctx=args.ctx,
-        n_cont=args.n_cont, patterns=_csv(args.patterns), b_min=args.b_min, dataset=args.dataset, seed=args.seed,
+        n_cont=args.n_cont, patterns=_csv(args.patterns or ",".join(RUNTIME_PATTERNS)), b_min=args.b_min,
+        dataset=args.dataset, seed=args.seed,
         text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
         protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
         budget_moves=not args.no_budget_moves, budgets_from_scores=args.budgets_from_scores,
@@ -122,10 +124,12 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"tokens per sample (default {DEFAULT_CTX})")
     p.add_argument("--n-cont", type=int, default=DEFAULT_N_CONT, help="continuation tokens at the end of each "
                    f"sample whose queries are scored (default {DEFAULT_N_CONT})")
-    p.add_argument("--patterns", default=",".join(DEFAULT_PATTERNS), help="candidate patterns, comma-separated "
-                   f"(default {','.join(DEFAULT_PATTERNS)}; also pyramidkv, fullkv)")
+    p.add_argument("--patterns", default=None, help="candidate patterns, comma-separated (default "
+                   f"{','.join(DEFAULT_PATTERNS)}, runtime: {','.join(RUNTIME_PATTERNS)}; also pyramidkv, fullkv; "
+                   "runtime: per-head variants such as snapkv-head and pooling kernels such as snapkv@23)")
     p.add_argument("--param", action="append", metavar="PATTERN.KEY=VALUE",
-                   help="pattern parameter, e.g. snapkv.obs_window=16 (repeatable)")
+                   help="pattern parameter, e.g. snapkv.obs_window=16 (repeatable; snapkv and pyramidkv pool over "
+                   f"{CALIBRATED_POOL_KERNEL} positions unless snapkv.pool_kernel is given)")
     p.add_argument("--phases", default="prefill,decode", help="phases to calibrate (default prefill,decode; a "
                    "phase left out copies the other's choice)")
     p.add_argument("--b-min", type=int, default=None, help="minimum budget per layer (default max(budget/4, "

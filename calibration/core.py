@@ -17,6 +17,21 @@ from polykv_cpp import patterns as P
 from polykv_cpp.errors import CalibrationError
 
 DEFAULT_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "knorm")
+#: The pooling kernel calibrated plans give SnapKV and PyramidKV where ``--param`` sets none: 23 positions, not the
+#: paper's 7. With 7 the digits of a needle's value, 4 to 10 tokens after its key with a tokenizer that splits
+#: digits, were evicted; 23 was chosen on calibration prompts (docs/results.md, "SnapKV's pooling kernel").
+CALIBRATED_POOL_KERNEL = 23
+#: The runtime search's default candidates: SnapKV with the calibrated kernel (see above).
+RUNTIME_PATTERNS = ("streamingllm", "h2o", f"snapkv@{CALIBRATED_POOL_KERNEL}", "tova", "knorm")
+
+
+def calibrated_params(params: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """``params`` (pattern -> parameter overrides, as ``--param``) over the calibrated defaults
+    (:data:`CALIBRATED_POOL_KERNEL` for snapkv and pyramidkv)."""
+    out: dict[str, dict[str, Any]] = {p: {"pool_kernel": CALIBRATED_POOL_KERNEL} for p in ("snapkv", "pyramidkv")}
+    for name, kv in (params or {}).items():
+        out[name] = {**out.get(name, {}), **kv}
+    return out
 DEFAULT_SAMPLES = 8
 DEFAULT_CTX = 2048
 DEFAULT_N_CONT = 128
@@ -189,7 +204,7 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
         raise CalibrationError(f"--ctx {ctx} leaves a context of {ctx - n_cont} tokens before the {n_cont}-token "
                                f"continuation, not more than --budget {budget}: nothing would be evicted. "
                                f"Use --ctx > budget + {n_cont} (e.g. {4 * budget})")
-    pattern_params = pattern_params or {}
+    pattern_params = calibrated_params(pattern_params)
     from calibration.signals import SignalConfig
     scfg = SignalConfig(budget=budget, patterns=list(patterns), n_cont=n_cont, n_eval=n_eval, phases=tuple(phases),
                         pattern_params=pattern_params)

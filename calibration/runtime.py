@@ -40,6 +40,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from calibration.core import RUNTIME_PATTERNS
 from polykv_cpp.errors import CalibrationError
 from polykv_cpp.evaluation.runner import KVZIP_ROOM, uses_kvzip
 
@@ -291,8 +292,8 @@ def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget:
 
 
 def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, samples: int = DEFAULT_SAMPLES,
-                      ctx: int = 2048, n_cont: int = 128, patterns: Sequence[str] = ("streamingllm", "h2o",
-                      "snapkv", "tova", "knorm"), b_min: int | None = None, dataset: str = "builtin",
+                      ctx: int = 2048, n_cont: int = 128, patterns: Sequence[str] = RUNTIME_PATTERNS,
+                      b_min: int | None = None, dataset: str = "builtin",
                       seed: int = 0, text_field: str = "text", split: str = "train",
                       tasks: Sequence[str] | None = None, protocols: Sequence[str] = ("query-aware",),
                       objective: str | None = None,

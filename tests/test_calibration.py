@@ -78,6 +78,22 @@ def _run(d: Path, name: str, **kw):
     return calibrate(d / "hf", d / "tiny.gguf", d / f"{name}.gguf", plan_out=d / f"{name}.json", **args)
 
 
+def test_calibrated_plans_pool_snapkv_over_the_calibrated_kernel_unless_told(tiny):
+    """Without --param, snapkv layers of a calibrated plan pool over CALIBRATED_POOL_KERNEL positions (not the
+    baselines' 7); a given snapkv.pool_kernel wins, and the other parameters keep the pattern defaults."""
+    from calibration.core import CALIBRATED_POOL_KERNEL, calibrated_params
+
+    assert calibrated_params(None)["snapkv"] == {"pool_kernel": CALIBRATED_POOL_KERNEL} != {"pool_kernel": 7}
+    assert calibrated_params({"snapkv": {"pool_kernel": 3, "window": 4}})["snapkv"] == {"pool_kernel": 3, "window": 4}
+    assert calibrated_params({"h2o": {"window": 4}})["h2o"] == {"window": 4}
+    d, _ = tiny
+    res = _run(d, "pooled", budget=48, b_min=40, patterns=["snapkv"])
+    for lp in res.plan.layers:
+        for ph in (lp.prefill, lp.decode):
+            assert (ph.pattern, ph.pool_kernel, ph.obs_window) == ("snapkv", CALIBRATED_POOL_KERNEL, 32) or \
+                ph.pattern == "fullkv"
+
+
 def test_signal_shapes_and_ranges(tiny):
     d, model = tiny
     res = _run(d, "shapes", pattern_params=DISTINCT)
