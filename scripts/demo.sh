@@ -21,7 +21,7 @@ trap 'rm -f "$prompt"' EXIT
     printf '\n\nQuestion: %s\n' "$question"
 } >"$prompt"
 echo "[polykv-cpp] prompt: $doc + \"$question\""
-plan=plans/qwen2.5-coder-0.5b-instruct-q4_k_m.b512.json
+plan=plans/qwen2.5-coder-0.5b-instruct-q4_k_m.pool23.b512.json
 run() { polykv-cpp run "$model" --chat -f "$prompt" --no-echo -c 4096 -n 64 "$@"; }
 echo
 echo "[polykv-cpp] 1/2 FullKV (stock llama.cpp cache), for reference:"

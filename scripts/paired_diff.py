@@ -21,7 +21,8 @@ from polykv_cpp.evaluation.report import bootstrap_task_average, interval
 
 
 def method_scores(records: list[dict], protocol: str) -> dict[str, dict[str, dict[tuple, float]]]:
-    """``method@budget -> task -> (length, index) -> score`` of the RULER records of one protocol."""
+    """``method@budget -> task -> (length, index) -> score`` of the RULER records of one protocol (the budget is
+    after the last ``@``: a method may hold one, as ``snapkv@23``)."""
     scores: dict[str, dict[str, dict[tuple, float]]] = {}
     for r in records:
         if r.get("kind", "ruler") != "ruler" or r.get("protocol") != protocol or r.get("score") is None:
@@ -56,7 +57,7 @@ def main(argv=None) -> int:
     scores = method_scores(json.load(open(args.results))["records"], args.protocol)
     if args.only:
         keep = set(args.only.split(",")) | {args.base, "fullkv"}
-        scores = {m: v for m, v in scores.items() if m.split("@")[0] in keep}
+        scores = {m: v for m, v in scores.items() if m.rpartition("@")[0] in keep or m in keep}
     scores, n_dropped = common_samples(scores)
     if n_dropped:
         print(f"(a method lacks some samples: every method is compared on the {sum(map(len, next(iter(scores.values())).values()))} "
@@ -65,22 +66,22 @@ def main(argv=None) -> int:
     full = reps.get("fullkv")
     if full is None:
         raise SystemExit("paired_diff: the run has no fullkv results")
-    bases = [m for m in reps if m.split("@")[0] == args.base]
+    bases = [m for m in reps if m.rpartition("@")[0] == args.base]
     if not bases:
         raise SystemExit(f"paired_diff: no results of {args.base!r} ({args.protocol})")
     print(f"| method - {args.base} | budget | difference [95% CI] | gap recovered [95% CI] |")
     print("|---|---:|---:|---:|")
     for base in bases:
-        budget = base.split("@")[1]
+        budget = base.rpartition("@")[2]
         for m in sorted(reps):
-            if m == base or not m.endswith(f"@{budget}"):
+            if m == base or m.rpartition("@")[2] != budget:
                 continue
             diff = reps[m] - reps[base]
             gap = diff / (full - reps[base])
             point = task_average(scores[m]) - task_average(scores[base])
             point_gap = point / (task_average(scores["fullkv"]) - task_average(scores[base]))
             (d0, d1), (g0, g1) = interval(diff), interval(gap)
-            print(f"| {m.split('@')[0]} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
+            print(f"| {m.rpartition('@')[0]} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
                   f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] |")
     return 0
 

@@ -800,7 +800,7 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
         for i in range(6):
             base = float(i % 3 == 0)
             for method, budget, score in (("fullkv", None, 1.0), ("snapkv", 64, base), ("copy", 64, base),
-                                          ("better", 64, 1.0 if i < 4 else base)):
+                                          ("better", 64, 1.0 if i < 4 else base), ("snapkv@23", 64, 1.0)):
                 records.append({"kind": "ruler", "task": task, "length": 1024, "index": i,
                                 "protocol": "query-aware", "method": method, "budget": budget, "score": score})
     path = tmp_path / "results.json"
@@ -811,6 +811,8 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     better = rows["better"].split("|")[3].strip()
     lo = float(better.split("[")[1].split(",")[0])
     assert better.startswith("+33.3") and lo > 0
+    assert rows["snapkv@23"].split("|")[2].strip() == "64"  # a method holding '@' (a pooling kernel) keeps its name
+    assert rows["snapkv@23"].split("|")[3].strip().startswith("+66.7")
 
     # a run stopped early: "partial" answered samples 0-2 of each task only (all right). Every method is then
     # compared on those samples, where the base scores 1/3 and "better" 1: +66.7, not the mix of both sets

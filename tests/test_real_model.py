@@ -48,7 +48,7 @@ def test_shipped_plan_runs_on_default_model(cli_exe, default_model):
     """The calibrated plan the demo uses fits the default model and really shrinks its KV cache."""
     from pathlib import Path
 
-    plan = Path(__file__).resolve().parents[1] / "plans" / "qwen2.5-coder-0.5b-instruct-q4_k_m.b512.json"
+    plan = Path(__file__).resolve().parents[1] / "plans" / "qwen2.5-coder-0.5b-instruct-q4_k_m.pool23.b512.json"
     proc = run_cli(cli_exe, "run", default_model, "--plan", plan, "-c", "8192", "-p", PROMPT, "-n", "16", "-v")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "KV cache: PolyKV plan (snapkv, streamingllm, tova)" in proc.stderr
