@@ -133,6 +133,12 @@ def test_make_press_uses_our_window_kernel_and_sinks():
     assert (own.window_size, own.kernel_size) == (kvpress.SnapKVPress().window_size, kvpress.SnapKVPress().kernel_size)
     with pytest.raises(K.KVPressCheckError, match="no kvpress press"):
         K.make_press(kvpress, "polykv", 0.5)
+    pooled = K.make_press(kvpress, "snapkv-head@23", 0.5)
+    assert type(pooled).__name__ == "SnapKVPress" and (pooled.window_size, pooled.kernel_size) == (
+        DEFAULT_PARAMS["snapkv"]["obs_window"], 23)
+    for bad in ("expected_attention@15", "snapkv@x"):
+        with pytest.raises(K.KVPressCheckError, match="no kvpress press"):
+            K.make_press(kvpress, bad, 0.5)
 
 
 @pytest.fixture(scope="module")

@@ -113,14 +113,26 @@ def ratio_for(budget: int, n_tokens: int) -> float:
     return (n_tokens - budget - 0.5) / n_tokens
 
 
+def press_name(method: str) -> str | None:
+    """The kvpress press class for our baseline ``method`` (a pooling variant ``snapkv@23`` of SnapKV/PyramidKV maps
+    to the press with that kernel), None if kvpress has none."""
+    name, at, kernel = method.partition("@")
+    if at and (name.removesuffix("-head") not in ("snapkv", "pyramidkv") or not kernel.isdigit()):
+        return None
+    return PRESS_OF.get(name)
+
+
 def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = False) -> Any:
     """The kvpress press for our baseline ``method`` at ``ratio``; window/kernel/sink sizes are ours unless
-    ``own_params`` (see :data:`polykv_cpp.plan.DEFAULT_PARAMS`)."""
+    ``own_params`` (see :data:`polykv_cpp.plan.DEFAULT_PARAMS`); ``snapkv@K`` sets the kernel K."""
     from polykv_cpp.plan import DEFAULT_PARAMS
 
-    if method not in PRESS_OF:
-        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)})")
+    press = press_name(method)
+    if press is None:
+        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)}, and snapkv@K, "
+                                "pyramidkv@K)")
     kw: dict[str, Any] = {"compression_ratio": ratio}
+    method, _, kernel = method.partition("@")
     method = method.removesuffix("-head")
     ours = DEFAULT_PARAMS[method]
     if not own_params:
@@ -129,7 +141,9 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
         elif method in ("snapkv", "pyramidkv"):
             kw["window_size"] = ours["obs_window"]
             kw["kernel_size"] = ours["pool_kernel"]
-    return getattr(kvpress, PRESS_OF[method])(**kw)
+    if kernel:
+        kw["kernel_size"] = int(kernel)
+    return getattr(kvpress, press)(**kw)
 
 
 def eager_attention_weights(module: Any, hidden_states: Any, keys: Any, position_embeddings: Any) -> Any:
@@ -288,8 +302,8 @@ class KVPressCheck:
             raise KVPressCheckError(f"{cfg.results}: not a `polykv-cpp eval` results file")
         oc = self.ours["config"]
         ran = {(r["method"], r["budget"]) for r in self.ours["records"] if r["kind"] == "ruler"}
-        methods = cfg.methods or [m for m in oc["methods"] if m in PRESS_OF]
-        bad = [m for m in methods if m not in PRESS_OF]
+        methods = cfg.methods or [m for m in oc["methods"] if press_name(m)]
+        bad = [m for m in methods if not press_name(m)]
         if bad:
             raise KVPressCheckError(f"no kvpress press for {', '.join(bad)} (known: {', '.join(PRESS_OF)})")
         self.methods = methods
@@ -403,7 +417,7 @@ class KVPressCheck:
         return {"format": RESULTS_FORMAT, "version": 1, "eval_results": str(cfg.results),
                 "config": asdict(cfg), "model": self.ours["config"]["model"], "hf_model": str(self.hf_path),
                 "methods": self.methods, "budgets": self.budgets, "protocols": self.protocols,
-                "presses": {m: PRESS_OF[m] for m in self.methods},
+                "presses": {m: press_name(m) for m in self.methods},
                 "params": "kvpress defaults" if cfg.kvpress_params else "ours (window, kernel, sinks)",
                 "differences": DIFFERENCES,
                 "environment": {"polykv_cpp": __version__, "kvpress": kvpress.__version__ if hasattr(
