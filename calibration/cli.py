@@ -12,7 +12,8 @@ from typing import Any
 
 from polykv_cpp.errors import CalibrationError
 
-from calibration.core import DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, CALIBRATED_POOL_KERNEL, DEFAULT_SAMPLES, RUNTIME_PATTERNS
+from calibration.core import (CALIBRATED_POOL_KERNEL, DEFAULT_CTX, DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES,
+                              RUNTIME_PATTERNS)
 from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, OBJECTIVES, TASKS_DATASET
 
 PROTOCOL_CHOICES = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),

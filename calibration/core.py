@@ -24,6 +24,11 @@ CALIBRATED_POOL_KERNEL = 23
 #: The runtime search's default candidates: SnapKV with the calibrated kernel (see above).
 RUNTIME_PATTERNS = ("streamingllm", "h2o", f"snapkv@{CALIBRATED_POOL_KERNEL}", "tova", "knorm")
 
+DEFAULT_SAMPLES = 8
+DEFAULT_CTX = 2048
+DEFAULT_N_CONT = 128
+SIGNALS_VERSION = 1
+
 
 def calibrated_params(params: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
     """``params`` (pattern -> parameter overrides, as ``--param``) over the calibrated defaults
@@ -32,10 +37,6 @@ def calibrated_params(params: dict[str, dict[str, Any]] | None) -> dict[str, dic
     for name, kv in (params or {}).items():
         out[name] = {**out.get(name, {}), **kv}
     return out
-DEFAULT_SAMPLES = 8
-DEFAULT_CTX = 2048
-DEFAULT_N_CONT = 128
-SIGNALS_VERSION = 1
 
 
 @dataclass

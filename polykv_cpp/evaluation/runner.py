@@ -51,6 +51,10 @@ LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv"
 HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip",
                                              "expected_attention"))
 BASELINES = LAYER_BASELINES + HEAD_BASELINES
+DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
+#: cells kept free after the longest sample when a method uses KVzip: its reconstruction pass feeds the prompt
+#: again in chunks of (at most) this many tokens after it
+KVZIP_ROOM = 512
 
 
 def is_baseline(method: str) -> bool:
@@ -64,10 +68,6 @@ def is_baseline(method: str) -> bool:
     except PlanError:
         return False
     return True
-DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
-#: cells kept free after the longest sample when a method uses KVzip: its reconstruction pass feeds the prompt
-#: again in chunks of (at most) this many tokens after it
-KVZIP_ROOM = 512
 
 
 def uses_kvzip(plan: Any) -> bool:
