@@ -25,6 +25,9 @@ Conventions shared by every pattern
   ``q // (n_head / n_head_kv)``) and, for K-norm, to ``||k_g||``. Every head keeps ``budget`` tokens; a query
   head attends only to its KV head's tokens. SnapKV, H2O, TOVA and PyramidKV were published per head; the
   layer rule above is the coarser unit that lets all heads share one cache row per token.
+* **Adaptive head budgets** (``selection: adaptive``, :func:`select_adaptive`, Ada-KV): the heads' scores as
+  above, but the layer's ``n_head_kv x budget`` (head, token) pairs go to the best-scored pairs of the whole
+  layer, each head keeping at least its best ``max(1, budget // 5)``.
 * **Protected tokens** (sinks, recent windows) get score ``+inf``; they are always kept (the pattern clips
   their number so that it never exceeds the budget).
 * **Ties** are broken by keeping the **more recent** token (the larger key index): selection is a stable
@@ -51,7 +54,8 @@ __all__ = [
     "Pattern", "StreamingLLM", "H2O", "SnapKV", "TOVA", "PyramidKV", "FullKV", "KNorm", "KVzip", "ExpectedAttention",
     "QueryStatistics", "query_statistics", "average_rotation",
     "PATTERNS", "PATTERN_NAMES", "get_pattern", "pattern_from_phase_plan", "keep_topk", "pool1d",
-    "reduce_heads", "simulate", "simulate_heads", "SimResult", "softmax_causal",
+    "reduce_heads", "simulate", "simulate_heads", "SimResult", "softmax_causal", "select_adaptive", "adaptive_floor",
+    "adaptive_cap",
 ]
 
 
@@ -663,16 +667,20 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
 def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill: Pattern | str | None,
                    prefill_budget: int, decode: Pattern | str | None, decode_budget: int,
                    keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None,
-                   stats: QueryStatistics | None = None) -> list[SimResult]:
+                   stats: QueryStatistics | None = None, adaptive: bool = False) -> list[SimResult]:
     """Per-head selection: :func:`simulate` for every KV head on its own, one :class:`SimResult` per KV head.
 
     ``logits`` are ``[n_head, T, T]`` over query heads and ``keys`` ``[n_head_kv, T, head_dim]``. KV head ``g``
     is simulated with the logits of its query heads ``g*r .. (g+1)*r - 1`` (``r = n_head // n_head_kv``, the
     GQA grouping of llama.cpp and transformers) and its own keys: its scores are the mean over those query
-    heads, its decode queries attend over its own kept tokens only. Heads never exchange budget here (each
-    keeps ``budget``); that is what distinguishes it from Ada-KV's adaptive split, which this reference does
-    not cover.
+    heads, its decode queries attend over its own kept tokens only. Each head keeps ``budget`` tokens, unless
+    ``adaptive``: then every compression splits the layer's ``n_head_kv x budget`` between the heads by
+    :func:`select_adaptive` (Ada-KV), the same steps otherwise.
     """
+    if adaptive:
+        return _simulate_adaptive(logits, n_prompt, n_head_kv, prefill=_as_pattern(prefill),
+                                  prefill_budget=prefill_budget, decode=_as_pattern(decode),
+                                  decode_budget=decode_budget, keys=keys, recon_attn=recon_attn, stats=stats)
     logits = np.asarray(logits, dtype=np.float64)
     n_head = logits.shape[0]
     if n_head_kv < 1 or n_head % n_head_kv:
@@ -684,3 +692,141 @@ def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill
                      recon_attn=None if recon_attn is None else np.asarray(recon_attn)[g * r:(g + 1) * r],
                      stats=None if stats is None else stats.head(g, r))
             for g in range(n_head_kv)]
+
+
+def adaptive_floor(budget: int) -> int:
+    """Tokens every KV head keeps at least under adaptive selection: ``budget // 5`` (Ada-KV's safeguard of 20%,
+    kvpress's ``AdaKVPress(alpha_safeguard=0.2)``), and at least one (a head without keys would attend to nothing)."""
+    return max(1, budget // 5)
+
+
+def adaptive_cap(budget: int, n_head_kv: int) -> int:
+    """The most tokens one KV head holds under adaptive selection: what the other heads' floors leave of the
+    layer's ``n_head_kv x budget``. The native cache allocates this many rows (plus one ubatch) for the layer."""
+    return n_head_kv * budget - (n_head_kv - 1) * adaptive_floor(budget)
+
+
+def select_adaptive(scores: list[np.ndarray], budget: int) -> list[np.ndarray]:
+    """Ada-KV's split of a layer's budget across its KV heads (Feng et al. 2024, "Ada-KV: Optimizing KV Cache
+    Eviction by Adaptive Budget Allocation for Efficient LLM Inference"; kvpress ``AdaKVPress``).
+
+    ``scores[h]``: head ``h``'s scores of its own tokens (oldest first, protected tokens ``+inf``, as a pattern's
+    ``scores(budget, ...)``). The layer keeps ``len(scores) x budget`` (head, token) pairs: each head first its own
+    best :func:`adaptive_floor` (by :func:`keep_topk`'s order), then the best-scored remaining pairs of every head,
+    no head holding more than :func:`adaptive_cap`. Ties: the pairs are listed head by head, oldest first, and a
+    stable ascending sort is taken from the top (the later head, then the more recent token, wins). If the heads
+    hold at most that many pairs (and none more than the cap) everything is kept. Returns each head's kept indices,
+    sorted. Limits: scores of different heads are compared as they are (attention probabilities of that head's
+    query heads, or key norms), as Ada-KV does; the floor and cap are fixed.
+    """
+    scores = [np.asarray(s, dtype=np.float64) for s in scores]
+    nh = len(scores)
+    if budget < 1 or nh < 1:
+        raise ValueError("select_adaptive needs a budget >= 1 and at least one head")
+    n = [len(s) for s in scores]
+    left = nh * budget
+    cap = adaptive_cap(budget, nh)
+    if sum(n) <= left and max(n) <= cap:
+        return [np.arange(k) for k in n]
+    keep = [np.zeros(k, dtype=bool) for k in n]
+    count = []
+    for h, s in enumerate(scores):
+        f = min(adaptive_floor(budget), n[h])
+        keep[h][np.argsort(s, kind="stable")[n[h] - f:]] = True
+        count.append(f)
+    left -= sum(count)
+    flat = np.concatenate(scores)
+    head_of = np.repeat(np.arange(nh), n)
+    index_of = np.concatenate([np.arange(k) for k in n])
+    for j in np.argsort(flat, kind="stable")[::-1]:
+        if left == 0:
+            break
+        h, i = head_of[j], index_of[j]
+        if keep[h][i] or count[h] >= cap:
+            continue
+        keep[h][i] = True
+        count[h] += 1
+        left -= 1
+    return [np.flatnonzero(k) for k in keep]
+
+
+def _simulate_adaptive(logits, n_prompt, n_head_kv, *, prefill, prefill_budget, decode, decode_budget, keys,
+                       recon_attn, stats) -> list[SimResult]:
+    """:func:`simulate_heads` with ``adaptive``: :func:`simulate`'s steps per KV head, every compression by
+    :func:`select_adaptive` over all heads at once."""
+    logits = np.asarray(logits, dtype=np.float64)
+    n_head, T, _ = logits.shape
+    if n_head_kv < 1 or n_head % n_head_kv:
+        raise ValueError(f"n_head {n_head} is not a multiple of n_head_kv {n_head_kv}")
+    if decode is not None and decode.prefill_only:
+        raise ValueError(f"{decode.name} is a prefill pattern only")
+    r = n_head // n_head_kv
+    P = int(n_prompt)
+    heads = range(n_head_kv)
+    q_of = [slice(g * r, (g + 1) * r) for g in heads]
+    keys = None if keys is None else np.asarray(keys, dtype=np.float64)
+    A = [softmax_causal(logits[q_of[g], :P, :P]) for g in heads]
+
+    def prefill_scores(g: int) -> np.ndarray:
+        if prefill.query_rows == "reconstruction":
+            if recon_attn is None:
+                raise ValueError(f"{prefill.name} needs the reconstruction pass's attention (recon_attn)")
+            return prefill.scores(prefill_budget, P, attn=np.asarray(recon_attn, dtype=np.float64)[q_of[g], :, :P])
+        if prefill.query_rows == "statistics":
+            if stats is None or keys is None:
+                raise ValueError(f"{prefill.name} needs the prompt's query statistics (stats) and keys")
+            sg = stats.head(g, r)
+            return prefill.scores(prefill_budget, P, keys=keys[g:g + 1, :P],
+                                  stats=dataclasses.replace(sg, values=np.asarray(sg.values)[:, :P]))
+        return prefill.scores(prefill_budget, P, attn=A[g], keys=None if keys is None else keys[g:g + 1, :P])
+
+    if prefill is None or prefill.name == "fullkv":
+        kept = [np.arange(P) for _ in heads]
+    else:
+        kept = select_adaptive([prefill_scores(g) for g in heads], prefill_budget)
+    m_prompt = [a.mean(axis=0) for a in A]
+    acc = [m_prompt[g].sum(axis=0)[kept[g]] for g in heads]
+    w_obs = getattr(decode, "obs_window", 0) if decode is not None else 0
+    ring = [m_prompt[g][P - min(w_obs, P):, :][:, kept[g]] if w_obs > 0 else np.zeros((0, len(kept[g])))
+            for g in heads]
+    res = [SimResult(prefill_kept=kept[g].copy(), decode_kept=[], decode_rows=[], decode_cand=[]) for g in heads]
+    for t in range(P, T):
+        cand, rows = [], []
+        for g in heads:
+            c = np.append(kept[g], t)
+            row = softmax_causal(logits[q_of[g], t:t + 1, c], q_pos=np.array([t]), k_pos=c)[:, 0, :]
+            m = row.mean(axis=0)
+            acc[g] = np.append(acc[g], 0.0) + m
+            if w_obs > 0:
+                ring[g] = np.concatenate([np.concatenate([ring[g], np.zeros((ring[g].shape[0], 1))], axis=1),
+                                          m[None]], axis=0)[-w_obs:]
+            res[g].decode_rows.append(row)
+            res[g].decode_cand.append(c)
+            cand.append(c)
+            rows.append(row)
+        if decode is not None and decode.name != "fullkv":
+            sc = []
+            for g in heads:
+                n = len(cand[g])
+                if decode.query_rows == "window":
+                    sc.append(decode.scores(decode_budget, n, attn=ring[g][None]))
+                elif decode.query_rows == "all":
+                    sc.append(decode.scores(decode_budget, n, acc=acc[g]))
+                elif decode.query_rows == "last":
+                    sc.append(decode.scores(decode_budget, n, attn=rows[g][:, None, :]))
+                elif decode.needs_keys:
+                    if keys is None:
+                        raise ValueError("knorm needs keys")
+                    sc.append(decode.scores(decode_budget, n, keys=keys[g:g + 1, cand[g]]))
+                else:
+                    raise ValueError(f"{decode.name} selects the same tokens in every head: not adaptive")
+            idx = select_adaptive(sc, decode_budget)
+            for g in heads:
+                cand[g] = cand[g][idx[g]]
+                acc[g] = acc[g][idx[g]]
+                if w_obs > 0:
+                    ring[g] = ring[g][:, idx[g]]
+        for g in heads:
+            kept[g] = cand[g]
+            res[g].decode_kept.append(kept[g].copy())
+    return res

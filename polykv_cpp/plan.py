@@ -84,8 +84,14 @@ FULLKV = "fullkv"
 #: Patterns that score with an observation window (SnapKV scoring); they require ``obs_window``.
 OBS_WINDOW_PATTERNS: tuple[str, ...] = ("snapkv", "pyramidkv")
 PHASES: tuple[str, ...] = ("prefill", "decode")
-#: The unit that keeps its own token set: the layer (one set shared by its KV heads) or each KV head.
-SELECTIONS: tuple[str, ...] = ("layer", "head")
+#: The unit that keeps its own token set: the layer (one set shared by its KV heads), each KV head with the same
+#: budget ("head"), or each KV head with the layer's budget split across its heads by score ("adaptive", Ada-KV:
+#: :func:`polykv_cpp.patterns.select_adaptive`).
+SELECTIONS: tuple[str, ...] = ("layer", "head", "adaptive")
+#: The selections that keep one token set per KV head.
+HEAD_SELECTIONS: tuple[str, ...] = ("head", "adaptive")
+#: Uniform method names that stand for a pattern and selection (kvpress's AdaKVPress wraps SnapKV).
+METHOD_ALIASES: dict[str, str] = {"adakv": "snapkv-adaptive"}
 #: Patterns whose selection can differ per head (scored by attention or keys; positional ones are the same
 #: in every head).
 PER_HEAD_PATTERNS: tuple[str, ...] = ("h2o", "snapkv", "tova", "pyramidkv", "knorm", "kvzip", "expected_attention")
@@ -228,8 +234,10 @@ class PhasePlan:
         obs_window: SnapKV/PyramidKV observation window (last queries used for scoring; kept).
         pool_kernel: 1-D max-pooling kernel over positions (odd) of SnapKV/PyramidKV/KVzip/Expected Attention
             scores, None = no pooling.
-        selection: "layer" (one token set per layer, shared by its KV heads) or "head" (each KV head keeps its
-            own ``budget`` tokens by its own scores; :data:`PER_HEAD_PATTERNS` only). JSON omits "layer".
+        selection: "layer" (one token set per layer, shared by its KV heads), "head" (each KV head keeps its
+            own ``budget`` tokens by its own scores) or "adaptive" (the layer's ``n_head_kv x budget`` (head, token)
+            pairs go to the best-scored ones, at least ``max(1, budget // 5)`` per head; Ada-KV); :data:`PER_HEAD_PATTERNS`
+            only. JSON omits "layer".
     """
 
     pattern: str
@@ -312,8 +320,14 @@ class PhasePlan:
 
     @property
     def per_head(self) -> bool:
-        """True if each KV head keeps its own tokens (``selection: head`` on a pattern that scores per head)."""
-        return self.selection == "head" and self.pattern in PER_HEAD_PATTERNS
+        """True if each KV head keeps its own tokens (``selection`` head or adaptive on a pattern that scores per
+        head)."""
+        return self.selection in HEAD_SELECTIONS and self.pattern in PER_HEAD_PATTERNS
+
+    @property
+    def adaptive(self) -> bool:
+        """True if the layer's budget is split across its KV heads by score (``selection: adaptive``)."""
+        return self.per_head and self.selection == "adaptive"
 
 
 @dataclass
@@ -892,13 +906,15 @@ def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:
 
 def split_selection(name: str) -> tuple[str, str]:
     """A pattern name with an optional unit suffix: ``"snapkv-head"`` -> ``("snapkv", "head")``, ``"snapkv"`` ->
-    ``("snapkv", "layer")`` (the names the evaluation and the runtime search use for per-head variants)."""
+    ``("snapkv", "layer")``, ``"snapkv-adaptive"`` (or ``"adakv"``, :data:`METHOD_ALIASES`) -> ``("snapkv",
+    "adaptive")`` (the names the evaluation and the runtime search use for per-head variants)."""
+    name = METHOD_ALIASES.get(name.lower(), name)
     base, sep, unit = name.lower().partition("-")
     if not sep:
         return base, "layer"
     if unit not in SELECTIONS or base not in PER_HEAD_PATTERNS:
         raise PlanError(f"unknown pattern {name!r}: a pattern ({', '.join(KNOWN_PATTERNS)}) or a per-head variant "
-                        f"({', '.join(p + '-head' for p in PER_HEAD_PATTERNS)})")
+                        f"({', '.join(p + '-head' for p in PER_HEAD_PATTERNS)}, or -adaptive)")
     return base, unit
 
 

@@ -48,7 +48,7 @@ def plan_table(plan: Any) -> str:
                 bs, sh = "full", f"{(plan.full_charge or 0) / total:.1%}" if plan.full_charge else "-"
             else:
                 bs, sh = str(b), f"{b / total:.1%}"
-            r += [pp.pattern + ("/head" if pp.per_head else ""), bs, sh, _fmt_params(pp)]
+            r += [pp.pattern + (f"/{pp.selection}" if pp.per_head else ""), bs, sh, _fmt_params(pp)]
         rows.append(tuple(r))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.rjust(w) if i in (0, 2, 3, 6, 7) else c.ljust(w) for i, (c, w) in
@@ -128,7 +128,8 @@ def draw_png(plan: Any, out: Path, signals: Path | None = None, title: str | Non
         bars = ax.barh(layers, bs, color=[COLORS.get(p, "#333333") for p in pats], edgecolor="black", linewidth=0.3)
         for bar, lp in zip(bars, plan.layers):
             if lp.phase(ph).per_head:
-                bar.set_hatch("///")  # this layer keeps one token set per KV head
+                # this layer keeps one token set per KV head (budgets split across heads by score: crossed)
+                bar.set_hatch("xxx" if lp.phase(ph).adaptive else "///")
         ax.axvline(plan.budget_avg, color="black", linestyle="--", linewidth=0.8)
         ax.axvline(plan.b_min, color="grey", linestyle=":", linewidth=0.8)
         ax.set_yticks(layers)
@@ -140,6 +141,8 @@ def draw_png(plan: Any, out: Path, signals: Path | None = None, title: str | Non
     handles = [Patch(color=COLORS.get(p, "#333333"), label=p) for p in dict.fromkeys(used)]
     if any(lp.phase(ph).per_head for lp in plan.layers for ph in PHASES):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="///", label="per KV head"))
+    if any(lp.phase(ph).adaptive for lp in plan.layers for ph in PHASES):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="xxx", label="adaptive heads"))
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, title="pattern", frameon=False)
     for hi, (ph, key) in enumerate(heat):
         ax = axes[2 + hi]

@@ -128,7 +128,8 @@ def _make_plan(spec: dict, n_layer: int):
     from polykv_cpp import plan as plan_mod
 
     if spec["kind"] == "uniform":
-        return plan_mod.uniform_plan(n_layer, spec["pattern"], spec["kv_budget"])
+        base, selection, params = plan_mod.split_method(spec["pattern"])
+        return plan_mod.uniform_plan(n_layer, base, spec["kv_budget"], selection=selection, **params)
     if spec["kind"] == "file":
         return plan_mod.load(spec["path"], n_layer=n_layer)
     raise ValueError(f"unknown plan kind {spec['kind']!r}")
@@ -544,8 +545,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a plan (JSON sidecar or a GGUF holding polykv.plan); repeatable")
     p.add_argument("--plan-from-gguf", action="store_true", help="also benchmark the plan stored in --model")
     p.add_argument("--uniform", action="append", metavar="PATTERN",
-                   help="a uniform plan of PATTERN at --kv-budget (repeatable); default streamingllm when no plan "
-                        "is given")
+                   help="a uniform plan of PATTERN at --kv-budget (repeatable; the eval's method names: "
+                        "snapkv-head@23, adakv, ...); default streamingllm when no plan is given")
     p.add_argument("--kv-budget", type=int, default=512, help="average tokens per layer (default 512)")
     p.add_argument("--no-fullkv", action="store_true", help="skip the FullKV reference")
     p.add_argument("--depths", default=None, help=f"comma-separated context depths (default {DEFAULT_DEPTHS})")
@@ -634,11 +635,14 @@ def main(argv=None) -> int:
         raise SystemExit("bench_kv: --kv-budget must be positive")
     if not (args.uniform or args.plan or args.plan_from_gguf):
         args.uniform = ["streamingllm"]
-    from polykv_cpp.plan import KNOWN_PATTERNS
+    from polykv_cpp.errors import PlanError
+    from polykv_cpp.plan import KNOWN_PATTERNS, split_method
 
-    bad = [u for u in args.uniform or [] if u.lower() not in KNOWN_PATTERNS]
-    if bad:
-        raise SystemExit(f"bench_kv: unknown pattern(s) {', '.join(bad)} (known: {', '.join(KNOWN_PATTERNS)})")
+    for u in args.uniform or []:
+        try:
+            split_method(u)
+        except PlanError as e:
+            raise SystemExit(f"bench_kv: {e} (known patterns: {', '.join(KNOWN_PATTERNS)})") from None
     settings = resolve_settings(args)
     configs = build_configs(args)
     load = _loadavg()

@@ -42,7 +42,16 @@ bool llama_polykv_phase_plan::prefill_only() const {
 }
 
 bool llama_polykv_phase_plan::per_head() const {
-    return selection == LLAMA_POLYKV_SELECT_HEAD && (needs_scores() || pattern == LLAMA_POLYKV_KNORM);
+    return selection != LLAMA_POLYKV_SELECT_LAYER && (needs_scores() || pattern == LLAMA_POLYKV_KNORM);
+}
+
+int32_t llama_polykv_adaptive_floor(int32_t budget) {
+    return std::max(1, budget / LLAMA_POLYKV_ADAPTIVE_FLOOR_DIV); // a head without keys would attend to nothing
+}
+
+int32_t llama_polykv_adaptive_cap(int32_t budget, int32_t n_head_kv) {
+    const int64_t cap = (int64_t) n_head_kv * budget - (int64_t) (n_head_kv - 1) * llama_polykv_adaptive_floor(budget);
+    return (int32_t) std::min<int64_t>(cap, INT32_MAX);
 }
 
 // The rules are those of Plan.from_dict + Plan.validate in polykv_cpp/plan.py (docs/plan-format.md): both
@@ -180,8 +189,10 @@ static void parse_phase(const json & pj, llama_polykv_phase_plan & pp, int32_t b
         const std::string sel = sj.is_string() ? sj.get<std::string>() : std::string();
         if (sel == "head") {
             pp.selection = LLAMA_POLYKV_SELECT_HEAD;
+        } else if (sel == "adaptive") {
+            pp.selection = LLAMA_POLYKV_SELECT_ADAPTIVE;
         } else if (sel != "layer") {
-            throw std::runtime_error(where + ": selection must be \"layer\" or \"head\"");
+            throw std::runtime_error(where + ": selection must be \"layer\", \"head\" or \"adaptive\"");
         }
     }
     pp.budget = -1;

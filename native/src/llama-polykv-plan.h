@@ -19,11 +19,19 @@ enum llama_polykv_pattern {
     LLAMA_POLYKV_EXPECTED_ATTENTION, // prefill only: scored by the statistics of the queries seen so far
 };
 
-// which unit keeps its own token set: the layer (all its KV heads share one set) or each KV head
+// which unit keeps its own token set: the layer (all its KV heads share one set) or each KV head, with the same
+// budget each (head) or with the layer's n_head_kv x budget split across its heads by score (adaptive, Ada-KV)
 enum llama_polykv_selection {
-    LLAMA_POLYKV_SELECT_LAYER = 0,
-    LLAMA_POLYKV_SELECT_HEAD  = 1,
+    LLAMA_POLYKV_SELECT_LAYER    = 0,
+    LLAMA_POLYKV_SELECT_HEAD     = 1,
+    LLAMA_POLYKV_SELECT_ADAPTIVE = 2,
 };
+
+// adaptive selection: every KV head keeps at least its best max(1, budget / LLAMA_POLYKV_ADAPTIVE_FLOOR_DIV) tokens (Ada-KV's
+// safeguard, 20% as kvpress's AdaKVPress), so one head holds at most what the others' floors leave of the layer's cells
+#define LLAMA_POLYKV_ADAPTIVE_FLOOR_DIV 5
+int32_t llama_polykv_adaptive_floor(int32_t budget);
+int32_t llama_polykv_adaptive_cap(int32_t budget, int32_t n_head_kv);
 
 enum llama_polykv_phase {
     LLAMA_POLYKV_PHASE_PREFILL = 0,

@@ -280,6 +280,34 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
     return sc;
 }
 
+// the scores one token set ranks by (as pattern_scores), with the pattern's sinks and windows protected (+inf) for
+// a budget of pp.budget
+static std::vector<double> ranked_scores(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
+                                         const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
+    const int32_t b = pp.budget;
+    std::vector<double> sc = pattern_scores(grp, pp, items, off);
+    if (pp.pattern == LLAMA_POLYKV_STREAMINGLLM) {
+        const int32_t s = std::min({ pp.n_sink, b - 1, (int32_t) sc.size() });
+        for (int32_t i = 0; i < s; ++i) {
+            sc[i] = INFINITY;
+        }
+    } else if (pp.pattern == LLAMA_POLYKV_SNAPKV || pp.pattern == LLAMA_POLYKV_PYRAMIDKV) {
+        protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
+    } else {
+        protect(sc, b, pp.n_sink, pp.window);
+    }
+    return sc;
+}
+
+// indices of sc in ascending order; among ties the earlier index first (a stable sort: keeping the tail keeps the
+// more recent token of a tie)
+static std::vector<int32_t> ascending(const std::vector<double> & sc) {
+    std::vector<int32_t> order(sc.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
+    return order;
+}
+
 // the cells to drop from one token set (as pattern_scores); keeps the pattern's budget, as the reference
 static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
                                          const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
@@ -289,24 +317,77 @@ static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp,
     if (n <= b || pp.pattern == LLAMA_POLYKV_FULLKV) {
         return drop;
     }
-    std::vector<double> sc = pattern_scores(grp, pp, items, off);
-    if (pp.pattern == LLAMA_POLYKV_STREAMINGLLM) {
-        const int32_t s = std::min(pp.n_sink, b - 1);
-        for (int32_t i = 0; i < s; ++i) {
-            sc[i] = INFINITY;
-        }
-    } else if (pp.pattern == LLAMA_POLYKV_SNAPKV || pp.pattern == LLAMA_POLYKV_PYRAMIDKV) {
-        protect(sc, b, pp.n_sink, std::max(pp.window, pp.obs_window));
-    } else {
-        protect(sc, b, pp.n_sink, pp.window);
-    }
-
-    // keep the b highest scores; among ties the more recent token (stable ascending sort, keep the tail)
-    std::vector<int32_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
+    const std::vector<int32_t> order = ascending(ranked_scores(grp, pp, items, off));
     for (int32_t k = 0; k < n - b; ++k) {
         drop.push_back(items[order[k]].second);
+    }
+    return drop;
+}
+
+// adaptive selection (Ada-KV: Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation
+// for Efficient LLM Inference"), as polykv_cpp.patterns.select_adaptive: the layer keeps n_head_kv x budget (head,
+// token) pairs; each head first keeps its own best llama_polykv_adaptive_floor(budget), then the highest-scored of
+// the other pairs of every head fill the rest, a head holding at most llama_polykv_adaptive_cap (the cache's rows).
+// Scores of different heads compare directly: each is an attention probability (or a key norm) of that head.
+// items[h]: head h's (pos, cell) sorted by position; returns the cells each head drops
+static std::vector<std::vector<uint32_t>> select_drop_adaptive(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
+                                                               const std::vector<std::vector<std::pair<llama_pos, uint32_t>>> & items) {
+    const int32_t nh    = (int32_t) items.size();
+    const int32_t b     = pp.budget;
+    const int32_t floor = llama_polykv_adaptive_floor(b);
+    const int32_t cap   = llama_polykv_adaptive_cap(b, nh);
+    int64_t left  = (int64_t) nh * b;
+    int64_t n_all = 0;
+    int32_t n_max = 0;
+    for (const auto & it : items) {
+        n_all += (int64_t) it.size();
+        n_max = std::max(n_max, (int32_t) it.size());
+    }
+    std::vector<std::vector<uint32_t>> drop(nh);
+    if ((n_all <= left && n_max <= cap) || pp.pattern == LLAMA_POLYKV_FULLKV) {
+        return drop;
+    }
+    std::vector<std::vector<double>> sc(nh);
+    std::vector<std::vector<char>> keep(nh);
+    std::vector<int32_t> count(nh, 0);
+    for (int32_t h = 0; h < nh; ++h) {
+        const int32_t n = items[h].size();
+        sc[h] = ranked_scores(grp, pp, items[h], grp.head_off((uint32_t) h));
+        keep[h].assign(n, 0);
+        const std::vector<int32_t> order = ascending(sc[h]);
+        count[h] = std::min(floor, n);
+        for (int32_t k = n - count[h]; k < n; ++k) {
+            keep[h][order[k]] = 1;
+        }
+        left -= count[h];
+    }
+    // every pair listed head by head, oldest first: a stable ascending sort taken from the top prefers, among ties,
+    // the later head and the more recent token
+    std::vector<std::pair<int32_t, int32_t>> pairs;
+    pairs.reserve(n_all);
+    for (int32_t h = 0; h < nh; ++h) {
+        for (int32_t i = 0; i < (int32_t) items[h].size(); ++i) {
+            pairs.emplace_back(h, i);
+        }
+    }
+    std::stable_sort(pairs.begin(), pairs.end(), [&](const auto & x, const auto & y) {
+        return sc[x.first][x.second] < sc[y.first][y.second];
+    });
+    for (auto it = pairs.rbegin(); it != pairs.rend() && left > 0; ++it) {
+        const int32_t h = it->first;
+        if (keep[h][it->second] || count[h] >= cap) {
+            continue;
+        }
+        keep[h][it->second] = 1;
+        ++count[h];
+        --left;
+    }
+    for (int32_t h = 0; h < nh; ++h) {
+        for (int32_t i = 0; i < (int32_t) items[h].size(); ++i) {
+            if (!keep[h][i]) {
+                drop[h].push_back(items[h][i].second);
+            }
+        }
     }
     return drop;
 }
@@ -329,20 +410,30 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
             }
             p_out = pos_max + 2 - (llama_pos) hparams.n_swa;
         }
-        uint64_t n_drop = 0;
+        std::vector<std::vector<std::pair<llama_pos, uint32_t>>> items(grp.n_head_kv);
         for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-            std::vector<std::pair<llama_pos, uint32_t>> items;
             for (uint32_t c = 0; c < cap; ++c) {
                 llama_pos & p = grp.hpos[h*cap + c];
                 if (p >= 0 && p < p_out) {
                     p = -1;
                 }
                 if (p >= 0) {
-                    items.emplace_back(p, c);
+                    items[h].emplace_back(p, c);
                 }
             }
-            std::sort(items.begin(), items.end());
-            for (uint32_t c : select_drop(grp, pp, items, grp.head_off(h))) {
+            std::sort(items[h].begin(), items[h].end());
+        }
+        std::vector<std::vector<uint32_t>> drop;
+        if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE) {
+            drop = select_drop_adaptive(grp, pp, items);
+        } else {
+            for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+                drop.push_back(select_drop(grp, pp, items[h], grp.head_off(h)));
+            }
+        }
+        uint64_t n_drop = 0;
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            for (uint32_t c : drop[h]) {
                 grp.hpos[h*cap + c] = -1;
                 ++n_drop;
             }

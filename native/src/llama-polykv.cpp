@@ -263,6 +263,9 @@ uint32_t llama_kv_cache_poly::group_cells(const group & grp, bool whole_prompt) 
         if (p == LLAMA_POLYKV_PHASE_PREFILL && keep < n_ctx) {
             keep = (uint32_t) streaming_phase(pp).budget;
         }
+        if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE && grp.per_head && keep < n_ctx) {
+            keep = (uint32_t) llama_polykv_adaptive_cap((int32_t) keep, (int32_t) grp.n_head_kv); // the longest head
+        }
         if (grp.is_swa) {
             keep = std::min(keep, hparams.n_swa);
         }

@@ -50,7 +50,10 @@ FULLKV = "fullkv"
 LAYER_BASELINES = ("streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip", "expected_attention")
 HEAD_BASELINES = tuple(f"{m}-head" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "kvzip",
                                              "expected_attention"))
-BASELINES = LAYER_BASELINES + HEAD_BASELINES
+#: the layer's budget split across its KV heads by score (Ada-KV); "adakv" is SnapKV's, kvpress's AdaKVPress default
+ADAPTIVE_BASELINES = ("adakv",) + tuple(f"{m}-adaptive" for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv",
+                                                                  "kvzip", "expected_attention"))
+BASELINES = LAYER_BASELINES + HEAD_BASELINES + ADAPTIVE_BASELINES
 DEFAULT_METHODS = (FULLKV, "streamingllm", "h2o", "snapkv", "tova", "knorm", "pyramidkv", "polykv")
 #: cells kept free after the longest sample when a method uses KVzip: its reconstruction pass feeds the prompt
 #: again in chunks of (at most) this many tokens after it
