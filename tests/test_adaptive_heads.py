@@ -128,3 +128,18 @@ def test_adaptive_plans_parse_in_both_parsers_and_name_adakv(twin):
         with pytest.raises(PlanError, match="selection"):
             model.set_plan(plan.to_json().replace('"adaptive"', '"adaptiv"'))
     assert patterns.adaptive_floor(512) == 102
+
+
+def test_runtime_search_and_eval_take_adaptive_candidates():
+    from calibration import runtime
+    from polykv_cpp.evaluation.runner import is_baseline
+
+    plan = runtime.build(4, ["snapkv", "snapkv-adaptive@23", "h2o-head", "adakv"], [64] * 4, 64, 16)
+    assert [lp.prefill.selection for lp in plan.layers] == ["layer", "adaptive", "head", "adaptive"]
+    assert [lp.decode.adaptive for lp in plan.layers] == [False, True, False, True]
+    assert plan.layers[1].prefill.pool_kernel == 23
+    assert all(is_baseline(m) for m in ("adakv", "adakv@23", "snapkv-adaptive@23", "knorm-adaptive"))
+    assert not any(is_baseline(m) for m in ("streamingllm-adaptive", "adakv@4"))
+    shown = plan_mod.Plan.from_json(plan.to_json())
+    from polykv_cpp.plan_view import plan_table
+    assert "snapkv/adaptive" in plan_table(shown)
