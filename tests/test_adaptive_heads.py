@@ -143,3 +143,25 @@ def test_runtime_search_and_eval_take_adaptive_candidates():
     shown = plan_mod.Plan.from_json(plan.to_json())
     from polykv_cpp.plan_view import plan_table
     assert "snapkv/adaptive" in plan_table(shown)
+
+
+def test_adaptive_state_roundtrip(twin, tokens):
+    """Heads of different lengths survive a state save/load: the same kept sets, then the same decode steps."""
+    _, path = twin
+    with Model(path) as model:
+        model.set_plan(head_plan(1, "snapkv", selection="adaptive"))
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(tokens[:P])
+            ctx.decode(tokens[P:P + 1])
+            state = ctx.state_bytes()
+            kept = [ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)]
+            assert len({len(k) for k in kept}) > 1, "the heads hold different numbers of tokens"
+            ctx.decode(tokens[P + 1:P + 4])
+            after_a = ([ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)], ctx.logits())
+            ctx.clear()
+            ctx.load_state_bytes(state)
+            assert [ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)] == kept
+            ctx.decode(tokens[P + 1:P + 4])
+            after_b = ([ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)], ctx.logits())
+    assert after_a[0] == after_b[0]
+    np.testing.assert_allclose(after_a[1], after_b[1], atol=1e-3)
