@@ -10,14 +10,15 @@ python -m pip install -q --disable-pip-version-check ".[plot]"
 model=$(polykv-cpp models fetch | tail -n 1)
 echo "[polykv-cpp] model: $model"
 
-# a long real prompt: one of our own documents (about 3,500 tokens), ending in a question about its first section
+# a long real prompt: the first lines (up to 13,000 characters, about 3,400 tokens, so that the document may grow
+# without overflowing the 4096-token context) of one of our own documents, ending in a question about its first section
 doc=docs/plan-format.md
 question="Which two GGUF metadata keys hold a PolyKV plan inside a model file?"
 prompt=$(mktemp)
 trap 'rm -f "$prompt"' EXIT
 {
     printf 'Read the document below, then answer the question after it.\n\n'
-    cat "$doc"
+    awk '{ n += length($0) + 1; if (n > 13000) exit; print }' "$doc" # whole lines
     printf '\n\nQuestion: %s\n' "$question"
 } >"$prompt"
 echo "[polykv-cpp] prompt: $doc + \"$question\""
