@@ -283,8 +283,7 @@ def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget:
 
     layers = []
     for il, (name, b) in enumerate(zip(patterns, budgets)):
-        base, selection, params = plan_mod.split_method(name)  # "snapkv-head": the layer selects per KV head
-        one = plan_mod.uniform_plan(1, base, int(b), b_min=min(b_min, int(b)), selection=selection, **params)
+        one = plan_mod.method_plan(1, name, int(b), b_min=min(b_min, int(b)))  # "snapkv-head": per KV head
         layers.append(plan_mod.LayerPlan(il, one.layers[0].prefill, one.layers[0].decode))
     return plan_mod.Plan(version=plan_mod.PLAN_FORMAT_VERSION, n_layer=n_layer, budget_avg=budget, b_min=b_min,
                          budget_rule=rule, layers=layers, provenance=provenance or plan_mod.Provenance.now(),

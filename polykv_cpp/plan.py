@@ -932,6 +932,13 @@ def split_method(name: str) -> tuple[str, str, dict[str, int]]:
     return base, selection, {"pool_kernel": int(kernel)}
 
 
+def method_plan(n_layer: int, method: str, budget: int, **kwargs: Any) -> Plan:
+    """:func:`uniform_plan` of a uniform method's name (:func:`split_method`: ``"snapkv-head@23"``, ``"adakv"``);
+    ``kwargs`` go to :func:`uniform_plan` (``b_min``, ``provenance``, ...)."""
+    base, selection, params = split_method(method)
+    return uniform_plan(n_layer, base, budget, selection=selection, **params, **kwargs)
+
+
 def _phase(pattern: str, budget: int | None, params: Mapping[str, Any], selection: str = "layer") -> PhasePlan:
     pattern = pattern.lower()
     if selection not in SELECTIONS:

@@ -128,8 +128,7 @@ def _make_plan(spec: dict, n_layer: int):
     from polykv_cpp import plan as plan_mod
 
     if spec["kind"] == "uniform":
-        base, selection, params = plan_mod.split_method(spec["pattern"])
-        return plan_mod.uniform_plan(n_layer, base, spec["kv_budget"], selection=selection, **params)
+        return plan_mod.method_plan(n_layer, spec["pattern"], spec["kv_budget"])
     if spec["kind"] == "file":
         return plan_mod.load(spec["path"], n_layer=n_layer)
     raise ValueError(f"unknown plan kind {spec['kind']!r}")

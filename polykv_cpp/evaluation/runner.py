@@ -544,7 +544,7 @@ class Evaluator:
                     if base == "pyramidkv" and is_baseline(meth):
                         run.plan = plan_mod.pyramid_plan(self.n_layer, b, selection=selection, **params)
                     elif is_baseline(meth):
-                        run.plan = plan_mod.uniform_plan(self.n_layer, base, b, selection=selection, **params)
+                        run.plan = plan_mod.method_plan(self.n_layer, meth, b)
                     else:
                         run.plan = self._plan_at(self.plans[meth], b)
                         run.plan.validate(n_layer=self.n_layer)
