@@ -235,3 +235,49 @@ def test_question_after_layers_of_different_lengths(twins):
             out = model(input_ids=torch.tensor([[t]]), past_key_values=cache,
                         position_ids=torch.tensor([[len(ids) + i]]))
     assert len(toks) == 4 and toks[0] == int(out.logits[0, -1].argmax())
+
+
+def test_adaptive_methods_map_to_adakvpress():
+    ada = K.make_press(kvpress, "adakv", 0.5)
+    assert type(ada).__name__ == "AdaKVPress" and type(ada.press).__name__ == "SnapKVPress"
+    assert ada.alpha_safeguard == 0.2  # our adaptive floor, budget // 5
+    pooled = K.make_press(kvpress, "snapkv-adaptive@23", 0.5)
+    assert type(pooled).__name__ == "AdaKVPress" and pooled.press.kernel_size == 23
+    assert type(K.make_press(kvpress, "expected_attention-adaptive", 0.5).press).__name__ == "ExpectedAttentionPress"
+    for unsupported in ("h2o-adaptive", "pyramidkv-adaptive", "kvzip-adaptive", "streamingllm-adaptive"):
+        assert K.press_name(unsupported) is None
+        with pytest.raises(K.KVPressCheckError, match="no kvpress press"):
+            K.make_press(kvpress, unsupported, 0.5)
+
+
+def test_adakv_masks_equal_kvpress_own_and_change_the_decode(twins):
+    """AdaKVPress masks (head, token) pairs instead of evicting: the shared prefill keeps the masks kvpress's own
+    hooks set, and decoding under them equals decoding after kvpress's own prefill (and differs without them)."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    sdpa = AutoModelForCausalLM.from_pretrained(twins / "hf", dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 380, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    budget = 40
+    press = K.make_press(kvpress, "adakv", K.ratio_for(budget, len(ids)))
+    shared = K.SharedPrefill(sdpa, {"adakv": press})
+    shared.run(ids)
+    assert all(m is None for layer in sdpa.model.layers for m in [layer.self_attn.masked_key_indices])
+    own_cache = DynamicCache()
+    with torch.no_grad(), press(sdpa):
+        sdpa(input_ids=torch.tensor([ids]), past_key_values=own_cache)
+    own = [layer.self_attn.masked_key_indices for layer in sdpa.model.layers]
+    n_kv = sdpa.config.num_key_value_heads
+    for layer, (a, b) in enumerate(zip(own, shared.masked["adakv"])):
+        pairs = {(int(h), int(t)) for h, t in zip(a[1], a[2])}
+        assert pairs == {(int(h), int(t)) for h, t in zip(b[1], b[2])}, layer
+        assert len(pairs) == n_kv * (len(ids) - budget)
+    assert K.kept_per_layer(shared.kept["adakv"], shared.masked["adakv"]) == [budget] * 3
+    step = dict(input_ids=torch.tensor([[7]]), position_ids=torch.tensor([[len(ids)]]))
+    with torch.no_grad():
+        own_next = sdpa(past_key_values=own_cache, **step).logits[0, -1]  # kvpress's masks are still on the modules
+        with K.head_masks(sdpa, shared.masked["adakv"]):
+            ours_next = sdpa(past_key_values=K.cache_of(shared.kept["adakv"]), **step).logits[0, -1]
+        unmasked = sdpa(past_key_values=K.cache_of(shared.kept["adakv"]), **step).logits[0, -1]
+    torch.testing.assert_close(ours_next, own_next)
+    assert not torch.allclose(unmasked, ours_next, atol=1e-4)
+    assert all(layer.self_attn.masked_key_indices is None for layer in sdpa.model.layers)

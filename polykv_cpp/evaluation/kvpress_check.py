@@ -26,7 +26,9 @@ Known differences, written into every report:
   computed here as eager attention computes them, for that press only, so the model itself runs SDPA;
 * KnormPress keeps no recent token (ours keeps the newest one); SnapKV/PyramidKV pool with an average
   (ours: max). Window, kernel and sink sizes are set to ours (``--kvpress-params`` keeps kvpress's);
-* PyramidKVPress keeps SnapKV's uniform sizes unless budget / beta >= window (as KVCache-Factory does).
+* PyramidKVPress keeps SnapKV's uniform sizes unless budget / beta >= window (as KVCache-Factory does);
+* adaptive (``adakv``): AdaKVPress masks the dropped (head, token) pairs in attention (the decode here applies its
+  masks, :func:`head_masks`); ours keeps rows for the longest head.
 
 Limits: kvpress 0.5.5 supports Llama, Mistral, Phi-3, Qwen2/3 and Gemma-3 (multimodal) model classes; other
 models are refused. Needs ``pip install 'polykv-cpp[kvpress]'`` (kvpress 0.5.5 wants transformers < 5.3).
@@ -40,6 +42,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,10 @@ PRESS_OF = {"streamingllm": "StreamingLLMPress", "h2o": "ObservedAttentionPress"
 PRESS_OF.update({f"{m}-head": PRESS_OF[m] for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "expected_attention")})
 #: presses whose score reads the full attention matrix (kvpress asks for eager attention)
 NEEDS_ATTENTIONS = tuple(m for m, p in PRESS_OF.items() if p == "ObservedAttentionPress")
+#: our adaptive baselines (``snapkv-adaptive`` = ``adakv``, ...) -> kvpress's AdaKVPress around the pattern's press
+#: (AdaKVPress takes a ScorerPress: not ObservedAttentionPress, and PyramidKVPress would score as SnapKV)
+ADAPTIVE_INNER = ("snapkv", "tova", "knorm", "expected_attention")
+ADAPTIVE_PRESS = "AdaKVPress"
 DIFFERENCES = [
     "kvpress selects tokens per KV head; our per-layer baselines keep one token set per layer (scores averaged over "
     "heads), our '-head' baselines select per KV head as kvpress does",
@@ -71,6 +78,8 @@ DIFFERENCES = [
     "window 32), as KVCache-Factory does; our PyramidKV plan is a pyramid at every budget",
     "Expected Attention: ours compresses the prompt once (exact prefill) as kvpress does; both look 512 positions "
     "ahead and leave the first 4 queries out of the statistics (kvpress's defaults)",
+    "adaptive (Ada-KV) = AdaKVPress around the pattern's press (safeguard 0.2, as ours): kvpress keeps the whole "
+    "cache and masks the dropped (head, token) pairs in attention; ours keeps rows for the longest head",
 ]
 
 
@@ -113,9 +122,22 @@ def ratio_for(budget: int, n_tokens: int) -> float:
     return (n_tokens - budget - 0.5) / n_tokens
 
 
+def _adaptive_base(method: str) -> str | None:
+    """``snapkv`` for ``snapkv-adaptive`` / ``adakv`` (and their ``@K``), None for a method that is not adaptive."""
+    from polykv_cpp.plan import METHOD_ALIASES
+
+    name, at, kernel = method.partition("@")
+    name = METHOD_ALIASES.get(name, name)
+    base, sep, unit = name.partition("-")
+    return base + at + kernel if sep and unit == "adaptive" else None
+
+
 def press_name(method: str) -> str | None:
     """The kvpress press class for our baseline ``method`` (a pooling variant ``snapkv@23`` of SnapKV/PyramidKV maps
-    to the press with that kernel), None if kvpress has none."""
+    to the press with that kernel; an adaptive one to AdaKVPress), None if kvpress has none."""
+    base = _adaptive_base(method)
+    if base is not None:
+        return ADAPTIVE_PRESS if base.partition("@")[0] in ADAPTIVE_INNER and press_name(base) else None
     name, at, kernel = method.partition("@")
     if at and (name.removesuffix("-head") not in ("snapkv", "pyramidkv") or not kernel.isdigit()):
         return None
@@ -129,8 +151,11 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
 
     press = press_name(method)
     if press is None:
-        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)}, and snapkv@K, "
-                                "pyramidkv@K)")
+        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)}, snapkv@K, "
+                                f"pyramidkv@K, adakv and {', '.join(p + '-adaptive' for p in ADAPTIVE_INNER)})")
+    base = _adaptive_base(method)
+    if base is not None:
+        return kvpress.AdaKVPress(press=make_press(kvpress, base, ratio, own_params=own_params))
     kw: dict[str, Any] = {"compression_ratio": ratio}
     method, _, kernel = method.partition("@")
     method = method.removesuffix("-head")
@@ -170,12 +195,15 @@ class SharedPrefill:
 
     A forward hook on every attention layer calls each press's ``compress`` on the same inputs kvpress's own
     hook passes (hidden states, the layer's cache, the attention output's weights, the forward kwargs) and
-    stores the result instead of writing it back; the model's own cache stays full (FullKV)."""
+    stores the result instead of writing it back; the model's own cache stays full (FullKV). A press that masks
+    instead of evicting (AdaKVPress sets the module's ``masked_key_indices``) leaves its masks in ``masked``, for
+    :func:`head_masks` to apply while decoding from its cache."""
 
     def __init__(self, model: Any, presses: dict[Any, Any]):
         self.model = model
         self.presses = presses
         self.kept: dict[Any, list[Any]] = {}
+        self.masked: dict[Any, list[Any]] = {}
 
     def _language_model(self) -> Any:
         return self.model.model.language_model if hasattr(self.model.model, "language_model") else self.model.model
@@ -190,6 +218,7 @@ class SharedPrefill:
         lm = self._language_model()
         n_layer = len(lm.layers)
         self.kept = {key: [None] * n_layer for key in self.presses}
+        self.masked = {key: [None] * n_layer for key in self.presses}
         for press in self.presses.values():
             press.post_init_from_model(self.model)
         attn_users = [k for k, p in self.presses.items() if type(p).__name__ == "ObservedAttentionPress"]
@@ -204,7 +233,10 @@ class SharedPrefill:
                 attentions = eager_attention_weights(module, hidden_states, keys, kwargs["position_embeddings"])
             for key, press in self.presses.items():
                 a = attentions if key in attn_users else output[1]
+                module.masked_key_indices = None
                 self.kept[key][module.layer_idx] = press.compress(module, hidden_states, keys, values, a, kwargs)
+                self.masked[key][module.layer_idx] = getattr(module, "masked_key_indices", None)
+            module.masked_key_indices = None
             return output
 
         hooks = []
@@ -221,6 +253,20 @@ class SharedPrefill:
         return out.logits[0, -1], cache
 
 
+@contextmanager
+def head_masks(model: Any, masked: Sequence[Any] | None) -> Iterator[None]:
+    """Decode with AdaKVPress's per-layer masks (``SharedPrefill.masked``) in place, as kvpress's attention patch
+    reads them from each attention module; none afterwards."""
+    layers = (model.model.language_model if hasattr(model.model, "language_model") else model.model).layers
+    try:
+        for layer, m in zip(layers, masked or [None] * len(layers)):
+            layer.self_attn.masked_key_indices = m
+        yield
+    finally:
+        for layer in layers:
+            layer.self_attn.masked_key_indices = None
+
+
 def cache_of(layers: list[tuple[Any, Any]]) -> Any:
     """A DynamicCache holding the given per-layer (keys, values)."""
     from transformers import DynamicCache
@@ -229,6 +275,16 @@ def cache_of(layers: list[tuple[Any, Any]]) -> Any:
     for i, (k, v) in enumerate(layers):
         cache.update(k, v, i)
     return cache
+
+
+def kept_per_layer(layers: list[tuple[Any, Any]], masked: Sequence[Any] | None = None) -> list[float]:
+    """Tokens each layer keeps per KV head: its cache length, less its masked (head, token) pairs per head."""
+    out = []
+    for i, (k, _) in enumerate(layers):
+        n_masked = len(masked[i][0]) if masked and masked[i] is not None else 0
+        kept = k.shape[2] - n_masked / k.shape[1]
+        out.append(int(kept) if kept == int(kept) else round(kept, 2))
+    return out
 
 
 def full_layers(cache: Any) -> list[tuple[Any, Any]]:
@@ -388,15 +444,17 @@ class KVPressCheck:
                 self.t_prefill += time.time() - t1
                 runs = [((FULLKV, None), full_layers(full))] + [(k, shared.kept[k]) for k in presses]
                 for (method, budget), layers in runs:
-                    toks = greedy_tokens(self.hf, cache_of(layers), len(context), first_logits=logits,
-                                         question=question, max_new_tokens=s.max_new_tokens, stop=self._stop)
-                    pred, n_gen = read_answer(toks, self.ev.model, s)
+                    masked = shared.masked.get((method, budget))
+                    with head_masks(self.hf, masked):
+                        toks = greedy_tokens(self.hf, cache_of(layers), len(context), first_logits=logits,
+                                             question=question, max_new_tokens=s.max_new_tokens, stop=self._stop)
+                        pred, n_gen = read_answer(toks, self.ev.model, s)
                     ours = self.ours_by_key.get(self._key_of(s, protocol, method, budget))
                     score = scoring.score(s.metric, pred, s.answers, meta=s.meta)
                     self.records.append({
                         "task": s.task, "length": s.length, "index": s.index, "protocol": protocol,
                         "method": method, "budget": budget, "n_prompt": prompt.n_prompt,
-                        "n_compressed": len(context), "kept_per_layer": [int(k.shape[2]) for k, _ in layers],
+                        "n_compressed": len(context), "kept_per_layer": kept_per_layer(layers, masked),
                         "prediction": pred, "n_generated": n_gen, "score": score,
                         "ours_prediction": ours and ours["prediction"], "ours_score": ours and ours["score"],
                         "same_answer": ours is not None and pred.strip() == ours["prediction"].strip()})
