@@ -344,7 +344,7 @@ static std::vector<std::vector<uint32_t>> select_drop_adaptive(const llama_kv_ca
         n_max = std::max(n_max, (int32_t) it.size());
     }
     std::vector<std::vector<uint32_t>> drop(nh);
-    if ((n_all <= left && n_max <= cap) || pp.pattern == LLAMA_POLYKV_FULLKV) {
+    if (n_all <= left && n_max <= cap) { // evict() never calls it for a FullKV phase
         return drop;
     }
     std::vector<std::vector<double>> sc(nh);
