@@ -619,7 +619,8 @@ def register_cli(sub: Any) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("results", metavar="EVAL_DIR", help="output directory (or results.json) of `polykv-cpp eval`")
     p.add_argument("-o", "--out", default="polykv-kvpress-check", help="output directory")
-    p.add_argument("--methods", default=None, help=f"comma list among {', '.join(PRESS_OF)} (default: the run's)")
+    p.add_argument("--methods", default=None, help=f"comma list among {', '.join(PRESS_OF)}, snapkv@K, pyramidkv@K, adakv and "
+                   f"{', '.join(m + '-adaptive' for m in ADAPTIVE_INNER)} (default: the run's)")
     p.add_argument("--budgets", default=None, help="comma list (default: the run's budgets)")
     p.add_argument("--protocol", choices=["all", "query-aware", "query-agnostic"], default="all",
                    help="default: every protocol of the run")
