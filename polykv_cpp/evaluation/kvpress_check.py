@@ -190,6 +190,11 @@ def eager_attention_weights(module: Any, hidden_states: Any, keys: Any, position
     return w.div_(w.sum(dim=-1, keepdim=True)).to(q.dtype)
 
 
+def language_model(model: Any) -> Any:
+    """The decoder stack of a causal LM (Gemma-3's multimodal class nests it under ``language_model``)."""
+    return model.model.language_model if hasattr(model.model, "language_model") else model.model
+
+
 class SharedPrefill:
     """One prefill, many presses: the per-layer (keys, values) each press would leave in the cache.
 
@@ -205,9 +210,6 @@ class SharedPrefill:
         self.kept: dict[Any, list[Any]] = {}
         self.masked: dict[Any, list[Any]] = {}
 
-    def _language_model(self) -> Any:
-        return self.model.model.language_model if hasattr(self.model.model, "language_model") else self.model.model
-
     def run(self, input_ids: list[int]) -> tuple[Any, Any]:
         """Prefill ``input_ids``: (logits of the last position, the FullKV DynamicCache); fills ``kept``."""
         import torch
@@ -215,7 +217,7 @@ class SharedPrefill:
         from kvpress.utils import extract_keys_and_values
         from transformers import DynamicCache
 
-        lm = self._language_model()
+        lm = language_model(self.model)
         n_layer = len(lm.layers)
         self.kept = {key: [None] * n_layer for key in self.presses}
         self.masked = {key: [None] * n_layer for key in self.presses}
@@ -257,7 +259,7 @@ class SharedPrefill:
 def head_masks(model: Any, masked: Sequence[Any] | None) -> Iterator[None]:
     """Decode with AdaKVPress's per-layer masks (``SharedPrefill.masked``) in place, as kvpress's attention patch
     reads them from each attention module; none afterwards."""
-    layers = (model.model.language_model if hasattr(model.model, "language_model") else model.model).layers
+    layers = language_model(model).layers
     try:
         for layer, m in zip(layers, masked or [None] * len(layers)):
             layer.self_attn.masked_key_indices = m
@@ -619,7 +621,8 @@ def register_cli(sub: Any) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("results", metavar="EVAL_DIR", help="output directory (or results.json) of `polykv-cpp eval`")
     p.add_argument("-o", "--out", default="polykv-kvpress-check", help="output directory")
-    p.add_argument("--methods", default=None, help=f"comma list among {', '.join(PRESS_OF)}, snapkv@K, pyramidkv@K, adakv and "
+    p.add_argument("--methods", default=None,
+                   help=f"comma list among {', '.join(PRESS_OF)}, snapkv@K, pyramidkv@K, adakv and "
                    f"{', '.join(m + '-adaptive' for m in ADAPTIVE_INNER)} (default: the run's)")
     p.add_argument("--budgets", default=None, help="comma list (default: the run's budgets)")
     p.add_argument("--protocol", choices=["all", "query-aware", "query-agnostic"], default="all",
