@@ -281,3 +281,22 @@ def test_adakv_masks_equal_kvpress_own_and_change_the_decode(twins):
     torch.testing.assert_close(ours_next, own_next)
     assert not torch.allclose(unmasked, ours_next, atol=1e-4)
     assert all(layer.self_attn.masked_key_indices is None for layer in sdpa.model.layers)
+
+
+def test_summary_has_paired_intervals_on_the_average_and_per_task():
+    recs = []
+    scores = {"a": ([1, 1, 1, 1, 0, 1], [0, 0, 0, 0, 0, 0]), "b": ([1, 0, 1, 0, 1, 0], [1, 0, 1, 0, 1, 0])}
+    for t, (ours, theirs) in scores.items():
+        for i, (o, k) in enumerate(zip(ours, theirs)):
+            recs.append({"protocol": "query-aware", "method": "snapkv", "budget": 64, "task": t, "index": i,
+                         "score": k, "ours_score": o, "same_answer": o == k})
+    c = K.summarize(recs)["query-aware"]["snapkv"]["64"]
+    assert c["ours"] - c["kvpress"] == pytest.approx(100 * 5 / 6 / 2)
+    lo, hi = c["diff_ci95"]
+    assert 0 < lo < c["ours"] - c["kvpress"] < hi  # task a's gap is real on every draw
+    assert c["tasks"]["b"]["diff_ci95"] == [0.0, 0.0]  # identical answers: no difference on any draw
+    assert c["tasks"]["a"]["diff_ci95"][0] > 0
+    lo_o, hi_o = c["ours_ci95"]
+    assert lo_o <= c["ours"] <= hi_o
+    recs[0]["ours_score"] = None  # a sample our run lacks: no interval rather than a wrong one
+    assert "diff_ci95" not in K.summarize(recs)["query-aware"]["snapkv"]["64"]

@@ -488,9 +488,27 @@ class KVPressCheck:
                 "summary": summarize(self.records)}
 
 
+def _paired_intervals(by_t: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Bootstrap 95% intervals (paired: the same draw of samples for both engines, as `polykv-cpp eval`) of ours,
+    kvpress's and their difference, over the task average and per task; {} when a sample lacks our score."""
+    from polykv_cpp.evaluation.report import bootstrap_task_average, interval
+
+    if any(r["ours_score"] is None for rs in by_t.values() for r in rs):
+        return {}
+
+    def cis(tasks: list[str]) -> dict[str, Any]:
+        reps = bootstrap_task_average({eng: {t: {r["index"]: r[key] for r in by_t[t]} for t in tasks}
+                                       for eng, key in (("ours", "ours_score"), ("kvpress", "score"))})
+        return {"ours_ci95": interval(reps["ours"]), "kvpress_ci95": interval(reps["kvpress"]),
+                "diff_ci95": interval(reps["ours"] - reps["kvpress"])}
+
+    return {**cis(sorted(by_t)), "tasks": {t: cis([t]) for t in sorted(by_t)}}
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     """protocol -> method -> budget -> {ours, kvpress (0-100, mean over tasks of the task means),
-    same_answer (% of samples), n, tasks: task -> {ours, kvpress}}."""
+    same_answer (% of samples), n, tasks: task -> {ours, kvpress}}, with paired bootstrap 95% intervals
+    (``ours_ci95``, ``kvpress_ci95``, ``diff_ci95`` = ours - kvpress) on the average and on each task."""
     acc: dict = defaultdict(lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(list))))
     for r in records:
         acc[r["protocol"]][r["method"]][str(r["budget"])][r["task"]].append(r)
@@ -505,12 +523,30 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
                                 "ours": 100 * sum(ours) / len(ours) if ours else None}
                 rs_all = [r for rs in by_t.values() for r in rs]
                 ours_t = [v["ours"] for v in tasks.values() if v["ours"] is not None]
+                ci = _paired_intervals(by_t)
+                for t, c in ci.pop("tasks", {}).items():
+                    tasks[t].update(c)
                 out.setdefault(p, {}).setdefault(m, {})[b] = {
                     "kvpress": sum(v["kvpress"] for v in tasks.values()) / len(tasks),
                     "ours": sum(ours_t) / len(ours_t) if len(ours_t) == len(tasks) else None,
                     "same_answer": 100 * sum(r["same_answer"] for r in rs_all) / len(rs_all),
-                    "n": len(rs_all), "tasks": tasks}
+                    "n": len(rs_all), "tasks": tasks, **ci}
     return out
+
+
+def _ci(ci: Sequence[float] | None, *, signed: bool = True) -> str:
+    """`` [+a, +b]`` for a difference's interval, `` [a-b]`` for a score's, nothing without one."""
+    if not ci:
+        return ""
+    return f" [{ci[0]:+.1f}, {ci[1]:+.1f}]" if signed else f" [{ci[0]:.1f}-{ci[1]:.1f}]"
+
+
+def _task_cell(c: dict[str, Any]) -> str:
+    from polykv_cpp.evaluation.report import _f
+
+    if c["ours"] is None:
+        return f"– / {_f(c['kvpress'])}"
+    return f"{_f(c['ours'])} / {_f(c['kvpress'])}, {c['ours'] - c['kvpress']:+.1f}{_ci(c.get('diff_ci95'))}"
 
 
 def to_markdown(data: dict[str, Any]) -> str:
@@ -527,27 +563,28 @@ def to_markdown(data: dict[str, Any]) -> str:
     for p in data["protocols"]:
         by_m = s.get(p, {})
         budgets = [str(b) for b in data["budgets"]]
-        L += [f"## {p}", "", "| method | budget | ours | kvpress | ours − kvpress | same answer | n |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+        L += [f"## {p}", "", "| method | budget | ours [95% CI] | kvpress [95% CI] | ours − kvpress [95% CI] | "
+              "same answer | n |", "|---|---:|---:|---:|---:|---:|---:|"]
         for m in [FULLKV, *data["methods"]]:
             for b in (["None"] if m == FULLKV else budgets):
                 c = by_m.get(m, {}).get(b)
                 if not c:
                     continue
-                diff = None if c["ours"] is None else c["ours"] - c["kvpress"]
-                L.append(f"| {m} | {'–' if b == 'None' else b} | {_f(c['ours'])} | {_f(c['kvpress'])} | {_f(diff)} | "
+                diff = "–" if c["ours"] is None else f"{c['ours'] - c['kvpress']:+.1f}{_ci(c.get('diff_ci95'))}"
+                ours = f"{_f(c['ours'])}{_ci(c.get('ours_ci95'), signed=False)}"
+                theirs = f"{_f(c['kvpress'])}{_ci(c.get('kvpress_ci95'), signed=False)}"
+                L.append(f"| {m} | {'–' if b == 'None' else b} | {ours} | {theirs} | {diff} | "
                          f"{c['same_answer']:.0f}% | {c['n']} |")
         L.append("")
         tasks = sorted({t for by_b in by_m.values() for c in by_b.values() for t in c["tasks"]})
         for b in budgets:
-            L += [f"### {p}, budget {b}: per task (ours / kvpress)", "",
+            L += [f"### {p}, budget {b}: per task (ours / kvpress, then ours − kvpress [95% CI])", "",
                   "| method | " + " | ".join(tasks) + " |", "|---|" + "---:|" * len(tasks)]
             for m in data["methods"]:
                 c = by_m.get(m, {}).get(b)
                 if c:
-                    L.append(f"| {m} | " + " | ".join(
-                        f"{_f(c['tasks'][t]['ours'])} / {_f(c['tasks'][t]['kvpress'])}" if t in c["tasks"] else "–"
-                        for t in tasks) + " |")
+                    L.append(f"| {m} | " + " | ".join(_task_cell(c["tasks"][t]) if t in c["tasks"] else "–"
+                                                       for t in tasks) + " |")
             L.append("")
     L += ["## Known differences between the two implementations", ""] + [f"- {d}" for d in data["differences"]]
     return "\n".join(L) + "\n"
