@@ -73,6 +73,9 @@ PLAN_FORMAT_VERSION = 1
 PLAN_FORMAT_NAME = "polykv-plan"
 #: how a plan merges tokens fed after its prompt was compressed (Plan.followup)
 FOLLOWUP_MODES = ("prefill", "decode")
+#: patterns a plan may stream a chunked prompt by (Plan.stream): any that scores a prompt without the whole of it
+#: at once (not KVzip, whose pass needs the whole prompt) and evicts (not FullKV)
+STREAM_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm", "expected_attention")
 GGUF_KEY_PLAN = "polykv.plan"
 GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
@@ -526,6 +529,11 @@ class Plan:
             next turn of a chat) are merged into the cache: "prefill" (the default) compresses them with the
             prefill pattern like the first prompt; "decode" with each layer's decode pattern at its prefill
             budget, so a SnapKV decode pattern chooses by what the new text (the question) attends to.
+        stream: chunked prefill only: a pattern of :data:`STREAM_PATTERNS` by which every layer with a scored
+            prefill pattern evicts while a prompt streams (before each new prompt ubatch, at the prefill budget
+            times the slack, with the layer's sinks, windows, kernel and selection), so that the prompt's last
+            ubatch (the question) reaches the layer's prefill pattern whole; that pattern compresses the prompt
+            to its budget when decoding starts. None (the default): the prefill pattern evicts after every ubatch.
     """
 
     version: int
@@ -538,11 +546,12 @@ class Plan:
     exact_total: bool = True
     full_charge: int | None = None
     followup: str = "prefill"
+    stream: str | None = None
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the v1 schema; ``followup`` only when it is not the default)."""
+        """JSON-ready dict (the v1 schema; ``followup`` and ``stream`` only when they are not the default)."""
         d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
@@ -557,6 +566,8 @@ class Plan:
         }
         if self.followup != "prefill":
             d["followup"] = self.followup
+        if self.stream is not None:
+            d["stream"] = self.stream
         return d
 
     @classmethod
@@ -575,7 +586,7 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "followup", "layers", "provenance"}
+                   "full_charge", "followup", "stream", "layers", "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -596,6 +607,10 @@ class Plan:
         followup = d.get("followup", "prefill")
         if followup not in FOLLOWUP_MODES:
             raise PlanError(f"plan: 'followup' must be one of {', '.join(FOLLOWUP_MODES)} (got {followup!r})")
+        stream = d.get("stream")
+        if "stream" in d and stream not in STREAM_PATTERNS:
+            raise PlanError(f"plan: 'stream' must be a pattern that scores a prompt as it streams "
+                            f"({', '.join(STREAM_PATTERNS)}; got {stream!r})")
         layers = d.get("layers")
         if not isinstance(layers, list):
             raise PlanError("plan: 'layers' must be a list")
@@ -604,7 +619,7 @@ class Plan:
             budget_rule=rule,
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
-            exact_total=exact, full_charge=fc, followup=followup,
+            exact_total=exact, full_charge=fc, followup=followup, stream=stream,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -729,6 +744,8 @@ class Plan:
             raise PlanError(f"full_charge must be a positive integer or null (got {self.full_charge!r})")
         if self.followup not in FOLLOWUP_MODES:
             raise PlanError(f"followup must be one of {', '.join(FOLLOWUP_MODES)} (got {self.followup!r})")
+        if self.stream is not None and self.stream not in STREAM_PATTERNS:
+            raise PlanError(f"stream must be one of {', '.join(STREAM_PATTERNS)} or None (got {self.stream!r})")
 
         for lp in self.layers:
             scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
@@ -857,7 +874,7 @@ class Plan:
         prov.extra.setdefault("scaled_from_budget_avg", self.budget_avg)
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
-                    full_charge=charge, followup=self.followup)
+                    full_charge=charge, followup=self.followup, stream=self.stream)
 
 
 def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:

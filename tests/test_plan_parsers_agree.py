@@ -65,6 +65,9 @@ CASES = {
                                       False),
     "layers out of order": (json.dumps({**GOOD, "layers": GOOD["layers"][::-1]}), False),
     "per head in prefill, per layer in decode": (edit(GOOD, ["layers", 0, "prefill", "selection"], "head"), False),
+    "stream by expected_attention": (edit(GOOD, ["stream"], "expected_attention"), True),
+    "stream by kvzip (needs the whole prompt)": (edit(GOOD, ["stream"], "kvzip"), False),
+    "stream null": (edit(GOOD, ["stream"], None), False),
 }
 
 

@@ -258,7 +258,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "followup", "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "stream", "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -280,6 +280,15 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
                 throw std::runtime_error("plan: 'followup' must be one of prefill, decode (got " + f.dump() + ")");
             }
             plan.followup_decode = f.get<std::string>() == "decode";
+        }
+        if (doc.contains("stream")) {
+            const auto & f = doc.at("stream");
+            llama_polykv_pattern sp = LLAMA_POLYKV_FULLKV;
+            if (!f.is_string() || !pattern_from_name(f.get<std::string>(), sp) || sp == LLAMA_POLYKV_FULLKV || sp == LLAMA_POLYKV_KVZIP) {
+                throw std::runtime_error("plan: 'stream' must be a pattern that scores a prompt as it streams "
+                                         "(streamingllm, h2o, snapkv, tova, pyramidkv, knorm, expected_attention; got " + f.dump() + ")");
+            }
+            plan.stream = sp;
         }
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");

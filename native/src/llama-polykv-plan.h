@@ -71,6 +71,10 @@ struct llama_polykv_plan {
     // "followup": "decode": tokens fed after the prompt was compressed (a question, the next turn) are merged in by
     // each layer's decode pattern at its prefill budget; false ("prefill", the default): by the prefill pattern
     bool     followup_decode = false;
+    // "stream": a pattern (not fullkv, not kvzip): in chunked prefill, the layers whose prefill pattern is scored
+    // evict by it while a prompt streams, before each new prompt ubatch, so that the prompt's last ubatch (the
+    // question) reaches the prefill pattern whole, which compresses the prompt when decoding starts. -1: none
+    int32_t  stream = -1;
 
     std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
 };

@@ -20,6 +20,9 @@ int32_t llama_kv_cache_poly::group::ring_size() const {
             w = std::max(w, phase[p].obs_window);
         }
     }
+    if (stream == LLAMA_POLYKV_SNAPKV || stream == LLAMA_POLYKV_PYRAMIDKV) {
+        w = std::max(w, phase[0].obs_window);
+    }
     return w;
 }
 

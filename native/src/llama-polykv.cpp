@@ -198,6 +198,12 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             groups.back().collect_all = portable;
             groups.back().per_head = per_head;
             groups.back().n_head_kv = hparams.n_head_kv(il);
+            // a scored prefill pattern streams by the plan's stream pattern in chunked prefill (exact modes score
+            // the whole prompt at once; positional layers keep what they would keep anyway)
+            if (plan.stream >= 0 && !prefill_exact && (lp[0].needs_scores() || lp[0].pattern == LLAMA_POLYKV_KNORM)) {
+                groups.back().stream = plan.stream;
+                streams = true;
+            }
             g_found = (int32_t) groups.size() - 1;
         }
         groups[g_found].layers.push_back(il);
@@ -720,9 +726,27 @@ llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_
 }
 
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
-    if (prompt_pending && ubatch.n_tokens == 1 && !kvzip_active) {
-        compress_prompt();
+    if (!prompt_pending || kvzip_active) {
+        return;
     }
+    if (ubatch.n_tokens == 1) {
+        compress_prompt();
+        return;
+    }
+    // more of the prompt: the streaming groups make room for it by their stream pattern
+    for (auto & grp : groups) {
+        if (grp.stream >= 0) {
+            evict(grp, stream_phase(grp));
+        }
+    }
+}
+
+llama_polykv_phase_plan llama_kv_cache_poly::stream_phase(const group & grp) const {
+    llama_polykv_phase_plan res = streaming_phase(prompt_phase(grp));
+    if (grp.stream >= 0 && res.pattern != LLAMA_POLYKV_FULLKV) {
+        res.pattern = (llama_polykv_pattern) grp.stream;
+    }
+    return res;
 }
 
 uint64_t llama_kv_cache_poly::compress_prompt() {
@@ -834,10 +858,10 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         read_scores(grp, ubatch.n_tokens);
         if (decode) {
             evict(grp, grp.phase[phase]);
-        } else if (!prefill_exact) {
+        } else if (!prefill_exact && grp.stream < 0) {
             warn_kvzip_unscored(grp);
             evict(grp, streaming_phase(prompt_phase(grp)));
-        }
+        } // a streaming group evicts before the next prompt ubatch (before_ubatch), or compresses when decoding starts
     }
     prompt_pending = compresses_at_decode() && !decode;
     prompt_done = prompt_done || decode;
@@ -1025,9 +1049,13 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         }
     }
     const uint64_t full_cells = (uint64_t) cparams.n_ctx * hparams.n_layer();
-    char slack_note[64] = "";
+    char slack_note[96] = "";
     if (prefill_mode == 0 && prefill_slack > 1.0f) {
         snprintf(slack_note, sizeof(slack_note), ", prefill slack %g", prefill_slack);
+    }
+    if (prefill_mode == 0 && plan.stream >= 0) {
+        const size_t n = strlen(slack_note);
+        snprintf(slack_note + n, sizeof(slack_note) - n, ", streaming by %s", llama_polykv_pattern_name(plan.stream));
     }
     char seq_note[64] = "";
     if (n_seq > 1) {

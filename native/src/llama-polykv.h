@@ -103,13 +103,26 @@ public:
         bool is_swa = false; // sliding-window layers: the window masks, eviction may shrink further
         bool collect_all = false; // portable prefill: keep the score state of every pattern
 
-        bool needs_scores() const { return collect_all || phase[0].needs_scores() || phase[1].needs_scores(); }
+        // the pattern this group evicts by while a chunked prompt streams (plan "stream"), -1: its prefill pattern
+        int32_t stream = -1;
+        // the prefill phase with the stream pattern (its budget, sinks, windows, kernel and selection)
+        llama_polykv_phase_plan stream_phase() const {
+            llama_polykv_phase_plan res = phase[0];
+            res.pattern = (llama_polykv_pattern) stream;
+            return res;
+        }
+
+        bool needs_scores() const {
+            return collect_all || phase[0].needs_scores() || phase[1].needs_scores() || (stream >= 0 && stream_phase().needs_scores());
+        }
         // attention rows of the prompt and decode queries (every score pattern but KVzip, whose rows come from
         // its own reconstruction pass)
         bool needs_rows() const {
-            return collect_all || phase[0].reads_rows() || phase[1].reads_rows();
+            return collect_all || phase[0].reads_rows() || phase[1].reads_rows() || (stream >= 0 && stream_phase().reads_rows());
         }
-        bool needs(llama_polykv_pattern p) const { return collect_all || phase[0].pattern == p || phase[1].pattern == p; }
+        bool needs(llama_polykv_pattern p) const {
+            return collect_all || phase[0].pattern == p || phase[1].pattern == p || stream == (int32_t) p;
+        }
     };
 
     llama_kv_cache_poly(
@@ -242,12 +255,18 @@ private:
     bool kvzip_scored = false; // the prompt in the cache was scored by one
     bool kvzip_warned = false;
 
-    bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f; }
+    // chunked prefill with a "stream" pattern: streaming groups evict before each new prompt ubatch, not after
+    bool streams = false;
+
+    bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams; }
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
     // how a group compresses prompt tokens: the prefill phase, or for a follow-up under a "followup": "decode" plan
     // the decode pattern at the prefill budget
     llama_polykv_phase_plan prompt_phase(const group & grp) const;
+    // how a streaming group ("stream" plans, chunked prefill) evicts before a new prompt ubatch: the streaming
+    // phase of its prompt phase, by the stream pattern
+    llama_polykv_phase_plan stream_phase(const group & grp) const;
 
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
