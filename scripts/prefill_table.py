@@ -61,12 +61,15 @@ def mode_label(data: dict) -> str:
     return f"chunked, slack {cfg.get('prefill_slack', 1.0):g}"
 
 
-def build(runs: dict[str, dict], method: str, budget: int) -> dict:
-    """label -> protocol -> {score, ci, diff, diff_ci} and peak bytes; FullKV from the first run that has it."""
+def build(runs: dict[str, dict], method: str, budget: int, methods: dict[str, str] | None = None) -> dict:
+    """label -> protocol -> {score, ci, diff, diff_ci} and peak bytes; FullKV from the first run that has it.
+    ``methods``: label -> the method (or plan name) read from that run, when it is not ``method`` (a plan that
+    streams the prompt by another pattern, say)."""
+    methods = {k: (methods or {}).get(k, method) for k in runs}
     exact = next((k for k, d in runs.items() if d["config"].get("prefill") == "exact"), None)
     table: dict = {"method": method, "budget": budget, "modes": {}, "fullkv": {}}
     for proto in PROTOCOLS:
-        scores = {k: scores_of(d, method, budget, proto) for k, d in runs.items()}
+        scores = {k: scores_of(d, methods[k], budget, proto) for k, d in runs.items()}
         scores = {k: v for k, v in scores.items() if v}
         full = next((scores_of(d, "fullkv", None, proto) for d in runs.values()
                      if scores_of(d, "fullkv", None, proto)), None)
@@ -80,8 +83,9 @@ def build(runs: dict[str, dict], method: str, budget: int) -> dict:
         for k in runs:
             if k not in scores:
                 continue
-            row = table["modes"].setdefault(k, {"mode": mode_label(runs[k]),
-                                                "peak_kv_bytes": peak_kv_bytes(runs[k], method, budget),
+            label = mode_label(runs[k]) + ("" if methods[k] == method else f", {methods[k]}")
+            row = table["modes"].setdefault(k, {"mode": label,
+                                                "peak_kv_bytes": peak_kv_bytes(runs[k], methods[k], budget),
                                                 "n_prompts": sum(len(v) for v in scores[k].values())})
             mean = 100 * float(np.mean([np.mean(list(v.values())) for v in scores[k].values()]))
             cell = {"score": mean, "ci": interval(reps[k])}
@@ -155,19 +159,24 @@ def plot(t: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="+", metavar="LABEL=DIR", help="eval output directories (or results.json)")
+    p.add_argument("runs", nargs="+", metavar="LABEL[@METHOD]=DIR",
+                   help="eval output directories (or results.json); @METHOD reads that method or plan of the run "
+                        "instead of --method")
     p.add_argument("--method", default="snapkv")
     p.add_argument("--budget", type=int, required=True)
     p.add_argument("--out", default=None, help="write prefill_table.{json,md,png} here")
     args = p.parse_args(argv)
-    runs = {}
+    runs, methods = {}, {}
     for spec in args.runs:
         label, _, path = spec.rpartition("=")
+        label, _, meth = (label or path).partition("@")
         try:
-            runs[label or path] = load(path)
+            runs[label] = load(path)
         except (OSError, ValueError) as e:
             raise SystemExit(f"prefill_table: cannot read {path}: {e}")
-    t = build(runs, args.method, args.budget)
+        if meth:
+            methods[label] = meth
+    t = build(runs, args.method, args.budget, methods)
     if not t["modes"]:
         raise SystemExit(f"prefill_table: no results of {args.method}@{args.budget} in these runs")
     md = to_markdown(t)
