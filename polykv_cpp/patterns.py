@@ -569,6 +569,35 @@ def _as_pattern(p: Pattern | str | None) -> Pattern | None:
     return get_pattern(p)
 
 
+def _decode_step(logits: np.ndarray, t: int, kept: np.ndarray, acc: np.ndarray, ring: np.ndarray, w_obs: int):
+    """Token ``t`` joins the cache ``kept``: its attention row over ``cand = kept + [t]`` (``[n_head, n_cand]``),
+    the H2O accumulator and the SnapKV ring buffer with its head-mean added (see :func:`simulate`, step 3)."""
+    cand = np.append(kept, t)
+    row = softmax_causal(logits[:, t:t + 1, cand], q_pos=np.array([t]), k_pos=cand)[:, 0, :]
+    m = row.mean(axis=0)
+    acc = np.append(acc, 0.0) + m
+    if w_obs > 0:
+        ring = np.concatenate([np.concatenate([ring, np.zeros((ring.shape[0], 1))], axis=1), m[None]], axis=0)[-w_obs:]
+    return cand, row, acc, ring
+
+
+def _decode_inputs(dec: Pattern, cand: np.ndarray, *, row: np.ndarray, acc: np.ndarray, ring: np.ndarray,
+                   keys: np.ndarray | None) -> dict[str, Any]:
+    """What the decode pattern reads about the candidates ``cand`` (``keys``: ``[n_head_kv, T, d]``, for K-norm):
+    keyword arguments of its ``select``/``scores``."""
+    if dec.query_rows == "window":
+        return {"attn": ring[None]}
+    if dec.query_rows == "all":
+        return {"acc": acc}
+    if dec.query_rows == "last":
+        return {"attn": row[:, None, :]}
+    if dec.needs_keys:
+        if keys is None:
+            raise ValueError(f"{dec.name} needs keys")
+        return {"keys": keys[:, cand]}
+    return {}
+
+
 def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None, prefill_budget: int,
              decode: Pattern | str | None, decode_budget: int,
              keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None,
@@ -633,28 +662,12 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
 
     res = SimResult(prefill_kept=kept.copy(), decode_kept=[], decode_rows=[], decode_cand=[])
     for t in range(P, T):
-        cand = np.append(kept, t)
-        row = softmax_causal(logits[:, t:t + 1, cand], q_pos=np.array([t]), k_pos=cand)[:, 0, :]
-        m = row.mean(axis=0)
-        acc = np.append(acc, 0.0) + m
-        if w_obs > 0:
-            ring = np.concatenate([np.concatenate([ring, np.zeros((ring.shape[0], 1))], axis=1), m[None]],
-                                  axis=0)[-w_obs:]
+        cand, row, acc, ring = _decode_step(logits, t, kept, acc, ring, w_obs)
         res.decode_rows.append(row)
         res.decode_cand.append(cand)
         if dec is not None and len(cand) > decode_budget:
-            if dec.query_rows == "window":
-                idx = dec.select(decode_budget, attn=ring[None])
-            elif dec.query_rows == "all":
-                idx = dec.select(decode_budget, acc=acc)
-            elif dec.query_rows == "last":
-                idx = dec.select(decode_budget, attn=row[:, None, :])
-            elif dec.needs_keys:
-                if keys is None:
-                    raise ValueError("knorm needs keys")
-                idx = dec.select(decode_budget, keys=keys[:, cand])
-            else:
-                idx = dec.select(decode_budget, n_key=len(cand))
+            idx = dec.select(decode_budget, n_key=len(cand),
+                             **_decode_inputs(dec, cand, row=row, acc=acc, ring=ring, keys=keys))
             cand = cand[idx]
             acc = acc[idx]
             if w_obs > 0:
@@ -793,33 +806,17 @@ def _simulate_adaptive(logits, n_prompt, n_head_kv, *, prefill, prefill_budget, 
     for t in range(P, T):
         cand, rows = [], []
         for g in heads:
-            c = np.append(kept[g], t)
-            row = softmax_causal(logits[q_of[g], t:t + 1, c], q_pos=np.array([t]), k_pos=c)[:, 0, :]
-            m = row.mean(axis=0)
-            acc[g] = np.append(acc[g], 0.0) + m
-            if w_obs > 0:
-                ring[g] = np.concatenate([np.concatenate([ring[g], np.zeros((ring[g].shape[0], 1))], axis=1),
-                                          m[None]], axis=0)[-w_obs:]
+            c, row, acc[g], ring[g] = _decode_step(logits[q_of[g]], t, kept[g], acc[g], ring[g], w_obs)
             res[g].decode_rows.append(row)
             res[g].decode_cand.append(c)
             cand.append(c)
             rows.append(row)
         if decode is not None and decode.name != "fullkv":
-            sc = []
-            for g in heads:
-                n = len(cand[g])
-                if decode.query_rows == "window":
-                    sc.append(decode.scores(decode_budget, n, attn=ring[g][None]))
-                elif decode.query_rows == "all":
-                    sc.append(decode.scores(decode_budget, n, acc=acc[g]))
-                elif decode.query_rows == "last":
-                    sc.append(decode.scores(decode_budget, n, attn=rows[g][:, None, :]))
-                elif decode.needs_keys:
-                    if keys is None:
-                        raise ValueError("knorm needs keys")
-                    sc.append(decode.scores(decode_budget, n, keys=keys[g:g + 1, cand[g]]))
-                else:
-                    raise ValueError(f"{decode.name} selects the same tokens in every head: not adaptive")
+            if decode.query_rows == "none" and not decode.needs_keys:
+                raise ValueError(f"{decode.name} selects the same tokens in every head: not adaptive")
+            sc = [decode.scores(decode_budget, len(cand[g]), **_decode_inputs(
+                decode, cand[g], row=rows[g], acc=acc[g], ring=ring[g], keys=None if keys is None else keys[g:g + 1]))
+                for g in heads]
             idx = select_adaptive(sc, decode_budget)
             for g in heads:
                 cand[g] = cand[g][idx[g]]
