@@ -106,19 +106,19 @@ public:
         // the pattern this group evicts by while a chunked prompt streams (plan "stream"), -1: its prefill pattern
         int32_t stream = -1;
         // the prefill phase with the stream pattern (its budget, sinks, windows, kernel and selection)
-        llama_polykv_phase_plan stream_phase() const {
+        llama_polykv_phase_plan streamed_prefill() const {
             llama_polykv_phase_plan res = phase[0];
             res.pattern = (llama_polykv_pattern) stream;
             return res;
         }
 
         bool needs_scores() const {
-            return collect_all || phase[0].needs_scores() || phase[1].needs_scores() || (stream >= 0 && stream_phase().needs_scores());
+            return collect_all || phase[0].needs_scores() || phase[1].needs_scores() || (stream >= 0 && streamed_prefill().needs_scores());
         }
         // attention rows of the prompt and decode queries (every score pattern but KVzip, whose rows come from
         // its own reconstruction pass)
         bool needs_rows() const {
-            return collect_all || phase[0].reads_rows() || phase[1].reads_rows() || (stream >= 0 && stream_phase().reads_rows());
+            return collect_all || phase[0].reads_rows() || phase[1].reads_rows() || (stream >= 0 && streamed_prefill().reads_rows());
         }
         bool needs(llama_polykv_pattern p) const {
             return collect_all || phase[0].pattern == p || phase[1].pattern == p || stream == (int32_t) p;
