@@ -694,6 +694,10 @@ class Plan:
             c = Counter(self.patterns(ph))
             pats = " ".join(f"{p}x{n}" for p, n in sorted(c.items(), key=lambda kv: (-kv[1], kv[0])))
             parts.append(f"{ph}: {pats}")
+        if self.stream is not None:
+            parts.append(f"streams by {self.stream}")
+        if self.followup != "prefill":
+            parts.append(f"follow-ups by the {self.followup} pattern")
         m = self.provenance.model
         if m is not None and (m.name or m.arch):
             parts.append(f"model: {m.name or m.arch}")

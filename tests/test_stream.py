@@ -68,6 +68,7 @@ def test_stream_key_round_trips_and_both_parsers_check_it(twin):
     assert json.loads(p.to_json())["stream"] == "expected_attention"
     assert plan_mod.Plan.from_json(p.to_json()).stream == "expected_attention"
     assert "stream" not in json.loads(stream_plan(None).to_json())  # plans without it are unchanged
+    assert "streams by expected_attention" in p.summary() and "streams" not in stream_plan(None).summary()
     for bad in ("kvzip", "fullkv", "question", 3):
         d = json.loads(p.to_json())
         d["stream"] = bad
