@@ -65,6 +65,9 @@ NEEDS_ATTENTIONS = tuple(m for m, p in PRESS_OF.items() if p == "ObservedAttenti
 #: (AdaKVPress takes a ScorerPress: not ObservedAttentionPress, and PyramidKVPress would score as SnapKV)
 ADAPTIVE_INNER = ("snapkv", "tova", "knorm", "expected_attention")
 ADAPTIVE_PRESS = "AdaKVPress"
+#: the methods this check maps, as the error message and --help name them
+KNOWN_METHODS = (f"{', '.join(PRESS_OF)}, snapkv@K, pyramidkv@K, adakv and "
+                 f"{', '.join(m + '-adaptive' for m in ADAPTIVE_INNER)}")
 DIFFERENCES = [
     "kvpress selects tokens per KV head; our per-layer baselines keep one token set per layer (scores averaged over "
     "heads), our '-head' baselines select per KV head as kvpress does",
@@ -151,8 +154,7 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
 
     press = press_name(method)
     if press is None:
-        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {', '.join(PRESS_OF)}, snapkv@K, "
-                                f"pyramidkv@K, adakv and {', '.join(p + '-adaptive' for p in ADAPTIVE_INNER)})")
+        raise KVPressCheckError(f"no kvpress press for {method!r} (known: {KNOWN_METHODS})")
     base = _adaptive_base(method)
     if base is not None:
         return kvpress.AdaKVPress(press=make_press(kvpress, base, ratio, own_params=own_params))
@@ -659,8 +661,7 @@ def register_cli(sub: Any) -> None:
     p.add_argument("results", metavar="EVAL_DIR", help="output directory (or results.json) of `polykv-cpp eval`")
     p.add_argument("-o", "--out", default="polykv-kvpress-check", help="output directory")
     p.add_argument("--methods", default=None,
-                   help=f"comma list among {', '.join(PRESS_OF)}, snapkv@K, pyramidkv@K, adakv and "
-                   f"{', '.join(m + '-adaptive' for m in ADAPTIVE_INNER)} (default: the run's)")
+                   help=f"comma list among {KNOWN_METHODS} (default: the run's)")
     p.add_argument("--budgets", default=None, help="comma list (default: the run's budgets)")
     p.add_argument("--protocol", choices=["all", "query-aware", "query-agnostic"], default="all",
                    help="default: every protocol of the run")
