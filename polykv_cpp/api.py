@@ -141,6 +141,8 @@ class Model:
             detail = _native.log_since(mark) or "no detail logged"
             raise ModelLoadError(f"failed to load model {self.path}: {detail}")
         self._vocab = self._lib.llama_model_get_vocab(self._ptr)
+        #: the prefill slack set_plan chose; None before: the library's own (LLAMA_POLYKV_PREFILL_SLACK, the plan's)
+        self.prefill_slack: float | None = None
 
     # ---- lifetime -------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -304,7 +306,7 @@ class Model:
 
     # ---- PolyKV plan ----------------------------------------------------------------------------------
     def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked",
-                 prefill_slack: float = 1.0) -> None:
+                 prefill_slack: float | None = None) -> None:
         """Choose the PolyKV plan of contexts created afterwards.
 
         `plan`: a `polykv_cpp.plan.Plan`, a JSON string, or a path (JSON sidecar or GGUF); None with
@@ -320,17 +322,19 @@ class Model:
         `prefill_slack` s >= 1 (chunked only): while a prompt streams, each layer keeps up to s x its prefill
         budget (caches of s x budget + one ubatch cells) and the prompt is compressed to the budget when
         decoding starts, scored by its last tokens (the question): a bounded middle between chunked and exact.
+        None: the plan's own `prefill_slack` (docs/plan-format.md), else 1. `Model.prefill_slack` is the slack
+        contexts created afterwards take (1 outside chunked prefill).
         """
         from polykv_cpp import plan as plan_mod
 
         if prefill not in PREFILL_MODES:
             raise PlanError(f"prefill must be one of {', '.join(PREFILL_MODES)} (got {prefill!r})")
         self._lib.llama_polykv_set_model_prefill_mode(self.ptr, PREFILL_MODES[prefill])
-        if not prefill_slack >= 1.0:
+        if prefill_slack is not None and not prefill_slack >= 1.0:
             raise PlanError(f"prefill slack must be a number >= 1 (got {prefill_slack})")
-        if prefill_slack != 1.0 and prefill != "chunked":
+        if prefill_slack is not None and prefill_slack != 1.0 and prefill != "chunked":
             raise PlanError("--prefill-slack applies to the chunked prefill (exact keeps the whole prompt anyway)")
-        self._lib.llama_polykv_set_model_prefill_slack(self.ptr, float(prefill_slack))
+        self._set_prefill_slack(1.0)
 
         if kv_budget < 0:
             raise PlanError(f"--kv-budget must be positive (got {kv_budget})")
@@ -354,7 +358,13 @@ class Model:
         elif isinstance(plan, str):
             plan = plan_mod.Plan.from_json(plan)
         plan.validate(n_layer=self.n_layer)
+        if prefill == "chunked":
+            self._set_prefill_slack(prefill_slack if prefill_slack is not None else plan.prefill_slack or 1.0)
         self._set_native_plan(plan.to_json(), kv_budget)
+
+    def _set_prefill_slack(self, slack: float) -> None:
+        self._lib.llama_polykv_set_model_prefill_slack(self.ptr, float(slack))
+        self.prefill_slack = float(slack)
 
     def _set_native_plan(self, text: str, kv_budget: int) -> None:
         if self._lib.llama_polykv_set_model_plan(self.ptr, text.encode(), kv_budget) != 0:

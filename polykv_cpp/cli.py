@@ -72,7 +72,7 @@ def cmd_run(args) -> int:
             if not args.no_echo:
                 sys.stdout.write(prompt)
                 sys.stdout.flush()
-            label = prefill_label(args)
+            label = prefill_label(args.prefill_mode, model.prefill_slack)
             gen_input = tokens
             if any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats()):
                 if args.prefill_mode == "chunked":
@@ -95,10 +95,10 @@ def cmd_run(args) -> int:
     return 0
 
 
-def prefill_label(args) -> str:
-    if args.prefill_mode == "chunked" and args.prefill_slack > 1:
-        return f"chunked prefill with slack {args.prefill_slack:g}"
-    return f"{args.prefill_mode} prefill"
+def prefill_label(mode: str, slack: float | None) -> str:
+    if mode == "chunked" and slack is not None and slack > 1:
+        return f"chunked prefill with slack {slack:g}"
+    return f"{mode} prefill"
 
 
 def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool = False,
@@ -196,11 +196,10 @@ def add_run_parser(sub) -> None:
     p.add_argument("--kv-budget", type=int, default=None, help="average KV tokens per layer")
     p.add_argument("--prefill-mode", choices=["chunked", "exact"], default="chunked",
                    help="chunked: evict after every ubatch (bounded memory); exact: compress the whole prompt once")
-    p.add_argument("--prefill-slack", type=float, default=1.0, metavar="S",
+    p.add_argument("--prefill-slack", type=float, default=None, metavar="S",
                    help="chunked: keep up to S x the prefill budget while the prompt streams, compress to the budget "
                         "when the answer starts (the question then scores the prompt); memory S x budget + ubatch. "
-                        "Default 1: at 256 of 2K slack 2 and 4 gained 2 and 5 points, within the noise, against "
-                        "exact's 25 (docs/results.md, prefill modes)")
+                        "Default: the plan's own prefill_slack, else 1 (docs/results.md, prefill modes)")
     p.set_defaults(func=cmd_run)
 
 

@@ -76,6 +76,9 @@ FOLLOWUP_MODES = ("prefill", "decode")
 #: patterns a plan may stream a chunked prompt by (Plan.stream): any that scores a prompt without the whole of it
 #: at once (not KVzip, whose pass needs the whole prompt) and evicts (not FullKV)
 STREAM_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm", "expected_attention")
+#: the largest ``prefill_slack`` a plan may name (the native parser's bound; a slack beyond the context is the
+#: context)
+MAX_PREFILL_SLACK = 1e6
 GGUF_KEY_PLAN = "polykv.plan"
 GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
@@ -534,6 +537,10 @@ class Plan:
             times the slack, with the layer's sinks, windows, kernel and selection), so that the prompt's last
             ubatch (the question) reaches the layer's prefill pattern whole; that pattern compresses the prompt
             to its budget when decoding starts. None (the default): the prefill pattern evicts after every ubatch.
+        prefill_slack: chunked prefill only: the slack s >= 1 the plan was measured with (each layer keeps up to
+            s x its prefill budget while a prompt streams and compresses to the budget when decoding starts).
+            Used when neither the caller (``Model.set_plan(prefill_slack=...)``, ``--prefill-slack``) nor
+            ``LLAMA_POLYKV_PREFILL_SLACK`` gives one, so that stock tools run the plan as measured. None: 1.
     """
 
     version: int
@@ -547,11 +554,13 @@ class Plan:
     full_charge: int | None = None
     followup: str = "prefill"
     stream: str | None = None
+    prefill_slack: float | None = None
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the v1 schema; ``followup`` and ``stream`` only when they are not the default)."""
+        """JSON-ready dict (the v1 schema; ``followup``, ``stream`` and ``prefill_slack`` only when they are not
+        the default)."""
         d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
@@ -568,6 +577,8 @@ class Plan:
             d["followup"] = self.followup
         if self.stream is not None:
             d["stream"] = self.stream
+        if self.prefill_slack is not None:
+            d["prefill_slack"] = self.prefill_slack
         return d
 
     @classmethod
@@ -586,7 +597,7 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "followup", "stream", "layers", "provenance"}
+                   "full_charge", "followup", "stream", "prefill_slack", "layers", "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -611,6 +622,9 @@ class Plan:
         if "stream" in d and stream not in STREAM_PATTERNS:
             raise PlanError(f"plan: 'stream' must be a pattern that scores a prompt as it streams "
                             f"({', '.join(STREAM_PATTERNS)}; got {stream!r})")
+        slack = d.get("prefill_slack")
+        if "prefill_slack" in d and not _is_slack(slack):
+            raise PlanError(f"plan: 'prefill_slack' must be a number from 1 to {MAX_PREFILL_SLACK:g} (got {slack!r})")
         layers = d.get("layers")
         if not isinstance(layers, list):
             raise PlanError("plan: 'layers' must be a list")
@@ -619,7 +633,7 @@ class Plan:
             budget_rule=rule,
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
-            exact_total=exact, full_charge=fc, followup=followup, stream=stream,
+            exact_total=exact, full_charge=fc, followup=followup, stream=stream, prefill_slack=slack,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -696,6 +710,8 @@ class Plan:
             parts.append(f"{ph}: {pats}")
         if self.stream is not None:
             parts.append(f"streams by {self.stream}")
+        if self.prefill_slack is not None:
+            parts.append(f"prefill slack {self.prefill_slack:g}")
         if self.followup != "prefill":
             parts.append(f"follow-ups by the {self.followup} pattern")
         m = self.provenance.model
@@ -750,6 +766,9 @@ class Plan:
             raise PlanError(f"followup must be one of {', '.join(FOLLOWUP_MODES)} (got {self.followup!r})")
         if self.stream is not None and self.stream not in STREAM_PATTERNS:
             raise PlanError(f"stream must be one of {', '.join(STREAM_PATTERNS)} or None (got {self.stream!r})")
+        if self.prefill_slack is not None and not _is_slack(self.prefill_slack):
+            raise PlanError(f"prefill_slack must be a number from 1 to {MAX_PREFILL_SLACK:g} or None "
+                            f"(got {self.prefill_slack!r})")
 
         for lp in self.layers:
             scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
@@ -878,7 +897,13 @@ class Plan:
         prov.extra.setdefault("scaled_from_budget_avg", self.budget_avg)
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
-                    full_charge=charge, followup=self.followup, stream=self.stream)
+                    full_charge=charge, followup=self.followup, stream=self.stream,
+                    prefill_slack=self.prefill_slack)
+
+
+def _is_slack(v: Any) -> bool:
+    """A plan's ``prefill_slack``: a finite number (not a bool) from 1 to :data:`MAX_PREFILL_SLACK`."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 1 <= v <= MAX_PREFILL_SLACK
 
 
 def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:

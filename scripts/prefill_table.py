@@ -54,11 +54,13 @@ def peak_kv_bytes(data: dict, method: str, budget: int) -> int | None:
     return run.get("kv_bytes")
 
 
-def mode_label(data: dict) -> str:
+def mode_label(data: dict, method: str) -> str:
+    """exact, or chunked with the slack the method's run took (its plan's own, or --prefill-slack)."""
     cfg = data["config"]
     if cfg.get("prefill", "chunked") == "exact":
         return "exact"
-    return f"chunked, slack {cfg.get('prefill_slack', 1.0):g}"
+    run = next((r for r in data["runs"] if r["method"] == method), {})
+    return f"chunked, slack {run.get('prefill_slack', cfg.get('prefill_slack') or 1.0):g}"
 
 
 def build(runs: dict[str, dict], method: str, budget: int, methods: dict[str, str] | None = None) -> dict:
@@ -83,7 +85,7 @@ def build(runs: dict[str, dict], method: str, budget: int, methods: dict[str, st
         for k in runs:
             if k not in scores:
                 continue
-            label = mode_label(runs[k]) + ("" if methods[k] == method else f", {methods[k]}")
+            label = mode_label(runs[k], methods[k]) + ("" if methods[k] == method else f", {methods[k]}")
             row = table["modes"].setdefault(k, {"mode": label,
                                                 "peak_kv_bytes": peak_kv_bytes(runs[k], methods[k], budget),
                                                 "n_prompts": sum(len(v) for v in scores[k].values())})

@@ -141,6 +141,36 @@ def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
     assert plain.returncode == 0 and "FullKV (no plan)" in plain.stderr
 
 
+
+def test_a_plans_prefill_slack_is_the_default_of_run_and_the_stock_tools(cli_exe, tiny_gguf, tmp_path):
+    """A plan that names its slack ("prefill_slack": 4) runs with it unless --prefill-slack or
+    LLAMA_POLYKV_PREFILL_SLACK says otherwise: 4 x 32 + 128 cells while the prompt streams instead of 32 + 128."""
+    from dataclasses import replace
+
+    from polykv_cpp._native import bin_dir
+    from polykv_cpp.plan import uniform_plan
+
+    sidecar = tmp_path / "plan.json"
+    sidecar.write_text(replace(uniform_plan(2, "snapkv", 32), prefill_slack=4).to_json())
+    run = ["run", tiny_gguf, "--plan", sidecar, "-p", "the cat and the dog " * 20, "-n", "4", "-c", "2048",
+           "-ub", "128", "--no-echo", "-v"]
+    own = run_cli(cli_exe, *run)
+    assert own.returncode == 0, own.stderr[-2000:]
+    assert f"saved {100 * (1 - 256 / 2048):.1f}%; chunked prefill with slack 4" in own.stderr
+    overridden = run_cli(cli_exe, *run, "--prefill-slack", "1")
+    assert overridden.returncode == 0, overridden.stderr[-2000:]
+    assert f"saved {100 * (1 - 160 / 2048):.1f}%; chunked prefill" in overridden.stderr
+    assert "slack" not in overridden.stderr
+    stock = [str(bin_dir() / "llama-completion"), "-m", str(tiny_gguf), "-p", "the cat", "-n", "2", "-no-cnv",
+             "--no-warmup", "-c", "2048", "-ub", "128", "-v"]
+    tool = run_stock(stock, timeout=120, env=dict(os.environ, LLAMA_POLYKV_PLAN=str(sidecar)))
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    assert "prefill slack 4" in tool.stderr
+    tool = run_stock(stock, timeout=120, env=dict(os.environ, LLAMA_POLYKV_PLAN=str(sidecar),
+                                                  LLAMA_POLYKV_PREFILL_SLACK="1"))
+    assert tool.returncode == 0, tool.stderr[-2000:]
+    assert "PolyKV plan active" in tool.stderr and "prefill slack" not in tool.stderr
+
 def test_truncated_model_is_a_clean_error(cli_exe, tiny_gguf, tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(tiny_gguf.read_bytes()[:5000])

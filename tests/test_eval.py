@@ -589,8 +589,9 @@ class _FakeModel:
 P1, P2 = list(range(1, 301)), list(range(1000, 1040))
 
 
-def _fed_batches(tmp_path, **cfg_kw):
-    """What one h2o run feeds per protocol (a fake context records the batches); the evaluator too."""
+def _fed_batches(tmp_path, plan=None, **cfg_kw):
+    """What one h2o run (``plan``, else uniform at 48) feeds per protocol (a fake context records the batches);
+    the evaluator too."""
     from polykv_cpp.plan import uniform_plan
     from polykv_cpp.evaluation.runner import Run
 
@@ -601,7 +602,7 @@ def _fed_batches(tmp_path, **cfg_kw):
     s = T.make_ruler_sample("qa", 2000, 0, 0, 3)
     ev.prompts[s.key] = T.Prompt(P1, P2)
     ctx = _FakeCtx()
-    ev._run_sample(ctx, Run("h2o", 48, uniform_plan(2, "h2o", 48)), s)
+    ev._run_sample(ctx, Run("h2o", 48, plan or uniform_plan(2, "h2o", 48)), s)
     assert cfg.protocols == ["query-agnostic", "query-aware"]
     agnostic, aware = ctx.seen
     return agnostic, aware, ev
@@ -638,6 +639,18 @@ def test_prefill_slack_compresses_the_context_before_the_question(tmp_path):
     agnostic, aware, ev = _fed_batches(tmp_path, reuse=False, prefill="chunked", prefill_slack=2.0)
     assert agnostic == [P1, ["compress"], P2] and aware == [P1 + P2]
     agnostic, aware, ev = _fed_batches(tmp_path, reuse=False, prefill="chunked")
+    assert agnostic == [P1, P2]
+
+
+def test_a_plans_own_prefill_slack_applies_unless_prefill_slack_is_given(tmp_path):
+    from dataclasses import replace
+
+    from polykv_cpp.plan import uniform_plan
+
+    plan = replace(uniform_plan(2, "h2o", 48), prefill_slack=2)
+    agnostic, _, _ = _fed_batches(tmp_path, plan, reuse=False, prefill="chunked")
+    assert agnostic == [P1, ["compress"], P2]
+    agnostic, _, _ = _fed_batches(tmp_path, plan, reuse=False, prefill="chunked", prefill_slack=1.0)
     assert agnostic == [P1, P2]
 
 

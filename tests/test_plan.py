@@ -120,6 +120,23 @@ def test_dict_and_json_round_trip():
     assert P.Plan.from_dict(d2) != p
 
 
+def test_prefill_slack_round_trips_rescales_and_is_checked():
+    from dataclasses import replace
+
+    p = replace(P.uniform_plan(4, "snapkv", 64), prefill_slack=2)
+    assert "prefill_slack" not in mixed_plan().to_dict()  # plans without it are unchanged
+    assert P.Plan.from_json(p.to_json()).prefill_slack == 2
+    assert p.scaled(32).prefill_slack == 2 and "prefill slack 2" in p.summary()
+    for bad in (0.5, 0, -1, 1e7, float("inf"), float("nan"), True, "2", None):
+        d = p.to_dict()
+        d["prefill_slack"] = bad  # null too: a plan without a slack leaves the key out
+        with pytest.raises(P.PlanError, match="prefill_slack"):
+            P.Plan.from_dict(d)
+        if bad is not None:
+            with pytest.raises(P.PlanError, match="prefill_slack"):
+                replace(p, prefill_slack=bad).validate()
+
+
 def test_share_plan_round_trip_and_resolution():
     n, avg, b_min = 4, 100, 10
     shares = [0.1, 0.2, 0.3, 0.4]

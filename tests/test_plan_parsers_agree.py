@@ -68,6 +68,13 @@ CASES = {
     "stream by expected_attention": (edit(GOOD, ["stream"], "expected_attention"), True),
     "stream by kvzip (needs the whole prompt)": (edit(GOOD, ["stream"], "kvzip"), False),
     "stream null": (edit(GOOD, ["stream"], None), False),
+    "prefill_slack 2": (edit(GOOD, ["prefill_slack"], 2), True),
+    "prefill_slack 1.5": (edit(GOOD, ["prefill_slack"], 1.5), True),
+    "prefill_slack below 1": (edit(GOOD, ["prefill_slack"], 0.5), False),
+    "prefill_slack huge": (edit(GOOD, ["prefill_slack"], 1e7), False),
+    "prefill_slack a bool": (edit(GOOD, ["prefill_slack"], True), False),
+    "prefill_slack a string": (edit(GOOD, ["prefill_slack"], "2"), False),
+    "prefill_slack null": (edit(GOOD, ["prefill_slack"], None), False),
 }
 
 

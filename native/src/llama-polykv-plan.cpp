@@ -258,7 +258,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "followup", "stream", "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "stream", "prefill_slack", "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -289,6 +289,13 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
                                          "(streamingllm, h2o, snapkv, tova, pyramidkv, knorm, expected_attention; got " + f.dump() + ")");
             }
             plan.stream = sp;
+        }
+        if (doc.contains("prefill_slack")) {
+            const auto & f = doc.at("prefill_slack");
+            if (!f.is_number() || !std::isfinite(f.get<double>()) || f.get<double>() < 1.0 || f.get<double>() > 1e6) {
+                throw std::runtime_error("plan: 'prefill_slack' must be a number from 1 to 1e6 (got " + f.dump() + ")");
+            }
+            plan.prefill_slack = (float) f.get<double>();
         }
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");

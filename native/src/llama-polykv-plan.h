@@ -75,6 +75,9 @@ struct llama_polykv_plan {
     // evict by it while a prompt streams, before each new prompt ubatch, so that the prompt's last ubatch (the
     // question) reaches the prefill pattern whole, which compresses the prompt when decoding starts. -1: none
     int32_t  stream = -1;
+    // "prefill_slack": the slack chunked prefill takes when neither the caller (llama_polykv_set_model_prefill_slack)
+    // nor LLAMA_POLYKV_PREFILL_SLACK sets one (>= 1); 0: none given (slack 1)
+    float    prefill_slack = 0.0f;
 
     std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
 };

@@ -1029,6 +1029,8 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
             if (!(prefill_slack >= 1.0f)) {
                 throw std::runtime_error(std::string("PolyKV: LLAMA_POLYKV_PREFILL_SLACK must be a number >= 1, got ") + env);
             }
+        } else if (plan.prefill_slack >= 1.0f) {
+            prefill_slack = plan.prefill_slack;
         }
     }
     // one cache per sequence: each keeps the plan's budgets, and sequences never evict each other's tokens

@@ -192,9 +192,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="exact (default): compress the prompt once, as the papers and kvpress do; one prefill per "
                         "sample is shared by every method and budget. chunked: the runtime's streaming prefill, "
                         "compressed after every ubatch; every method prefills every sample (slower)")
-    g.add_argument("--prefill-slack", type=float, default=1.0, metavar="S",
+    g.add_argument("--prefill-slack", type=float, default=None, metavar="S",
                    help="with --prefill chunked: while the prompt streams each layer keeps up to S x its budget and "
-                        "the prompt is compressed to the budget when it ends (run's --prefill-slack); default 1")
+                        "the prompt is compressed to the budget when it ends (run's --prefill-slack); default: each "
+                        "plan's own prefill_slack, else 1")
     g.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")

@@ -143,7 +143,8 @@ class EvalConfig:
     n_batch: int = 2048
     n_ubatch: int = 512
     prefill: str = "exact"  # exact | chunked (see PREFILL_TEXT)
-    prefill_slack: float = 1.0  # chunked only: a streaming prompt keeps up to slack x budget per layer
+    prefill_slack: float | None = None  # chunked only: a streaming prompt keeps up to slack x budget per layer;
+    # None: each plan's own (its prefill_slack, else 1)
     flash_attn: str = "auto"
     type_k: str = "f16"
     type_v: str = "f16"
@@ -177,9 +178,9 @@ class EvalConfig:
             raise EvalError(f"unknown prefill mode {self.prefill!r} (known: {', '.join(PREFILL_MODES)})")
         if self.plan_from_gguf not in ("auto", "yes", "no"):
             raise EvalError("plan_from_gguf must be auto, yes or no")
-        if not self.prefill_slack >= 1.0:
+        if self.prefill_slack is not None and not self.prefill_slack >= 1.0:
             raise EvalError(f"--prefill-slack must be a number >= 1 (got {self.prefill_slack})")
-        if self.prefill_slack != 1.0 and self.prefill != "chunked":
+        if self.prefill_slack not in (None, 1.0) and self.prefill != "chunked":
             raise EvalError("--prefill-slack needs --prefill chunked (exact keeps the whole prompt anyway)")
         if self.state_cache and self.prefill != "exact":
             raise EvalError("--state-cache needs --prefill exact (chunked prefill has no shareable prompt state)")
@@ -489,7 +490,8 @@ class Evaluator:
     def fingerprint(self) -> dict[str, Any]:
         cfg = self.cfg
         return {"model": _file_id(self.model_path), "seed": cfg.seed, "chat": self.chat, "prefill": cfg.prefill,
-                **({"prefill_slack": cfg.prefill_slack} if cfg.prefill_slack != 1.0 else {}), "n_ubatch": cfg.n_ubatch,
+                **({"prefill_slack": cfg.prefill_slack} if cfg.prefill_slack not in (None, 1.0) else {}),
+                "n_ubatch": cfg.n_ubatch,
                 "n_batch": cfg.n_batch, "type_k": cfg.type_k, "type_v": cfg.type_v, "flash_attn": cfg.flash_attn,
                 "haystack": cfg.haystack, "max_new_tokens": cfg.max_new_tokens, "ppl_tokens": cfg.ppl_tokens,
                 "ppl_texts": sorted({s.name for s, _ in self.ppl_units}),
@@ -608,12 +610,20 @@ class Evaluator:
         plan = run.plan
         if plan is None and prefill == "portable":
             plan = plan_mod.uniform_plan(self.n_layer, plan_mod.FULLKV, self.n_ctx)
-        slack = self.cfg.prefill_slack if prefill == "chunked" and plan is not None else 1.0
+        slack = self._prefill_slack(run) if prefill == "chunked" else None
         self.model.set_plan(plan, prefill=prefill, prefill_slack=slack)
+        if prefill == "chunked" and plan is not None:
+            run.info["prefill_slack"] = slack
         self.reuse["contexts_created"] += 1
         return self.model.context(n_ctx=self.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                   n_threads=cfg.n_threads, flash_attn=cfg.flash_attn, type_k=cfg.type_k,
                                   type_v=cfg.type_v)
+
+    def _prefill_slack(self, run: Run) -> float:
+        """The slack of `run`'s chunked prefill: --prefill-slack, else its plan's own, else 1."""
+        if self.cfg.prefill_slack is not None:
+            return self.cfg.prefill_slack
+        return (run.plan.prefill_slack if run.plan is not None else None) or 1.0
 
     def _kv_info(self, run: Run, ctx) -> None:
         from polykv_cpp.api import KV_TYPE_BYTES
@@ -705,7 +715,7 @@ class Evaluator:
             else:
                 if len(p1) > start:
                     ctx.decode(p1[start:])
-                if cfg.prefill == "exact" or cfg.prefill_slack > 1.0:
+                if cfg.prefill == "exact" or self._prefill_slack(run) > 1.0:
                     # the context ends before the question exists: compress it to the budget now
                     self._compress(ctx, run, p1)
                 pred, n = self._generate(ctx, p2, sample)
@@ -1024,7 +1034,7 @@ class Evaluator:
             },
             "protocols": {p: PROTOCOL_TEXT[p] for p in [*cfg.protocols, "teacher-forced"]},
             "prefill": PREFILL_TEXT[cfg.prefill] + (SLACK_TEXT.format(s=cfg.prefill_slack)
-                                                   if cfg.prefill_slack > 1.0 else ""),
+                                                   if (cfg.prefill_slack or 1.0) > 1.0 else ""),
             "budget_definition": BUDGET_TEXT,
             "methods": self.methods,
             "plans": {n: {"origin": self.plan_origin.get(n), "summary": p.summary(), "b_min": p.b_min,
