@@ -22,15 +22,15 @@ trap 'rm -f "$prompt"' EXIT
     printf '\n\nQuestion: %s\n' "$question"
 } >"$prompt"
 echo "[polykv-cpp] prompt: $doc + \"$question\""
-plan=plans/qwen2.5-coder-0.5b-instruct-q4_k_m.pool23.b512.json
+plan=plans/qwen2.5-coder-0.5b-instruct-q4_k_m.ea-budgets-stream.b512.json
 run() { polykv-cpp run "$model" --chat -f "$prompt" --no-echo -c 4096 -n 64 "$@"; }
 echo
 echo "[polykv-cpp] 1/2 FullKV (stock llama.cpp cache), for reference:"
 run
 echo
 echo "[polykv-cpp] 2/2 the calibrated plan ($plan, 512 tokens per layer on average), the prompt streamed"
-echo "[polykv-cpp]     with a prefill slack of 2 (at most 2 x the budget per layer until the question is read):"
-run --plan "$plan" --prefill-slack 2
+echo "[polykv-cpp]     with the plan's prefill slack of 2 (at most 2 x the budget per layer until the question is read):"
+run --plan "$plan"
 echo
 echo "[polykv-cpp] where the two answers differ, the facts asked for were evicted while the prompt streamed"
 echo "[polykv-cpp] (docs/results.md measures how often, per method and budget)"
