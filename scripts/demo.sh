@@ -10,7 +10,7 @@ python -m pip install -q --disable-pip-version-check ".[plot]"
 model=$(polykv-cpp models fetch | tail -n 1)
 echo "[polykv-cpp] model: $model"
 
-# a long real prompt: the first lines (up to 13,000 characters, about 3,400 tokens, so that the document may grow
+# a long real prompt: the first lines (up to 13,000 characters, about 3,700 tokens, so that the document may grow
 # without overflowing the 4096-token context) of one of our own documents, ending in a question about its first section
 doc=docs/plan-format.md
 question="Which two GGUF metadata keys hold a PolyKV plan inside a model file?"
