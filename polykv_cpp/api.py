@@ -359,7 +359,7 @@ class Model:
             plan = plan_mod.Plan.from_json(plan)
         plan.validate(n_layer=self.n_layer)
         if prefill == "chunked":
-            self._set_prefill_slack(prefill_slack if prefill_slack is not None else plan.prefill_slack or 1.0)
+            self._set_prefill_slack(plan_mod.chunked_prefill_slack(plan, prefill_slack))
         self._set_native_plan(plan.to_json(), kv_budget)
 
     def _set_prefill_slack(self, slack: float) -> None:

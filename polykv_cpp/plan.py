@@ -901,6 +901,13 @@ class Plan:
                     prefill_slack=self.prefill_slack)
 
 
+def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) -> float:
+    """The slack a chunked prefill with ``plan`` takes: ``explicit`` (the caller's), else the plan's own, else 1."""
+    if explicit is not None:
+        return explicit
+    return (plan.prefill_slack if plan is not None else None) or 1.0
+
+
 def _is_slack(v: Any) -> bool:
     """A plan's ``prefill_slack``: a finite number (not a bool) from 1 to :data:`MAX_PREFILL_SLACK`."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 1 <= v <= MAX_PREFILL_SLACK

@@ -621,9 +621,9 @@ class Evaluator:
 
     def _prefill_slack(self, run: Run) -> float:
         """The slack of `run`'s chunked prefill: --prefill-slack, else its plan's own, else 1."""
-        if self.cfg.prefill_slack is not None:
-            return self.cfg.prefill_slack
-        return (run.plan.prefill_slack if run.plan is not None else None) or 1.0
+        from polykv_cpp.plan import chunked_prefill_slack
+
+        return chunked_prefill_slack(run.plan, self.cfg.prefill_slack)
 
     def _kv_info(self, run: Run, ctx) -> None:
         from polykv_cpp.api import KV_TYPE_BYTES
