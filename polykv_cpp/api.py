@@ -405,6 +405,7 @@ class Context:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch, n_batch)
+        self.n_ubatch = params.n_ubatch
         params.n_seq_max = n_seq_max
         threads = n_threads or max(1, os.cpu_count() or 1)
         params.n_threads = threads
@@ -540,8 +541,19 @@ class Context:
         return list(toks[0:n[0]])
 
     # ---- evaluation -------------------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False) -> None:
-        """Append `tokens` to sequence 0, in chunks of n_batch; logits for the last token (or all)."""
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, probe: Sequence[int] | None = None) -> None:
+        """Append `tokens` to sequence 0, in chunks of n_batch; logits for the last token (or all).
+
+        `probe`: tokens that steer what a streaming prompt keeps (FINCH: Corallo & Papotti 2024, "Prompt-guided
+        Key-Value Cache Compression"), typically the prompt's own last tokens (its question). With a plan and
+        chunked prefill, `tokens` go in pieces of n_ubatch - len(probe); after every piece but the last the probe
+        is decoded after it, each layer ranks the prompt by the attention the probe's queries give it, keeps its
+        streaming budget (budget x prefill slack), and the probe leaves the cache. The last piece holds the
+        question itself, which scores the prompt's compression when decoding starts, as without a probe. Costs a
+        decode of the probe per piece. Ignored without a plan and in exact prefill (which keeps the whole prompt
+        until the question anyway). Limits: the probe's queries see only the prompt kept so far, at positions
+        right after it, so they approximate the question's attention in the whole prompt; one sequence.
+        """
         tokens = self._pending + list(tokens)
         self._pending = []
         if not tokens:
@@ -549,6 +561,22 @@ class Context:
         self._restored_logits = None
         if self._n_past + len(tokens) > self.n_ctx:
             raise NativeError(f"context is full: {self._n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
+        probe = [int(t) for t in probe] if probe else []
+        if probe and len(probe) >= self.n_ubatch:
+            raise ValueError(f"a probe of {len(probe)} tokens leaves no room in a ubatch of {self.n_ubatch}")
+        if probe and len(tokens) > self.n_ubatch - len(probe) and self.set_prompt_probing(True):
+            step = self.n_ubatch - len(probe)
+            try:
+                for start in range(0, len(tokens), step):
+                    self._decode_batches(tokens[start:start + step], all_logits)
+                    if start + step < len(tokens) and self._n_past + len(probe) <= self.n_ctx:
+                        self.probe_prompt(probe)
+            finally:
+                self.set_prompt_probing(False)
+        else:
+            self._decode_batches(tokens, all_logits)
+
+    def _decode_batches(self, tokens: list[int], all_logits: bool) -> None:
         batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
@@ -609,8 +637,9 @@ class Context:
         return np.frombuffer(ffi.buffer(ptr, 4 * n_vocab), dtype=np.float32).copy()
 
     def generate_tokens(self, prompt_tokens: Sequence[int], *, max_tokens: int = 128,
-                        sampler: SamplerSettings | None = None, stop_at_eog: bool = True) -> Iterator[int]:
-        """Decode the prompt, then yield up to `max_tokens` sampled token ids.
+                        sampler: SamplerSettings | None = None, stop_at_eog: bool = True,
+                        probe: Sequence[int] | None = None) -> Iterator[int]:
+        """Decode the prompt (with `probe`: see `decode`), then yield up to `max_tokens` sampled token ids.
 
         An empty prompt continues from the logits already there (after a decode or `load_state_bytes`).
         """
@@ -618,7 +647,7 @@ class Context:
         chain = settings.build(self._lib)
         try:
             if prompt_tokens or self._pending:
-                self.decode(prompt_tokens)
+                self.decode(prompt_tokens, probe=probe)
             elif self._n_past == 0:
                 raise ValueError("generate_tokens() needs prompt tokens in an empty context")
             for i in range(max_tokens):
@@ -653,15 +682,18 @@ class Context:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = 0xFFFFFFFF,
-                 stream: bool = False, stop_at_eog: bool = True):
+                 stream: bool = False, stop_at_eog: bool = True, probe: Sequence[int] | int | None = None):
         """Generate a continuation of `prompt` (text or token ids) after the tokens already in the context.
 
+        `probe`: token ids, or n for the prompt's last n tokens: they steer what a streaming prompt keeps (`decode`).
         Returns the text, or with stream=True an iterator of text pieces (UTF-8 safe).
         """
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(probe, int):
+            probe = tokens[-probe:] if probe > 0 else None
         settings = SamplerSettings(temperature, top_k, top_p, min_p, seed)
         pieces = self._pieces(self.generate_tokens(tokens, max_tokens=max_tokens, sampler=settings,
-                                                   stop_at_eog=stop_at_eog))
+                                                   stop_at_eog=stop_at_eog, probe=probe))
         return pieces if stream else "".join(pieces)
 
     def _pieces(self, token_iter: Iterator[int]) -> Iterator[str]:
@@ -678,6 +710,30 @@ class Context:
     @property
     def polykv_active(self) -> bool:
         return bool(self._lib.llama_polykv_is_active(self.ptr))
+
+    def set_prompt_probing(self, on: bool) -> bool:
+        """FINCH probing (chunked prefill with a plan): while on, each prompt ubatch keeps its tokens until
+        `probe_prompt` scores them (or, without a probe, until the next prompt ubatch evicts by the chunk's own last
+        tokens, as without probing), and the prompt is compressed to the budget when decoding starts. Returns False
+        where it does not apply (no plan, exact prefill). `decode(..., probe=...)` turns it on and off itself."""
+        if not self.polykv_active:
+            return False
+        return self._lib.llama_polykv_set_prompt_probing(self.ptr, on) == 0
+
+    def probe_prompt(self, probe: Sequence[int]) -> int:
+        """While probing: decode `probe` after the prompt fed so far, rank the prompt by the attention its queries
+        give it, remove it, and bring every layer to its streaming budget. Needs len(probe) free cells: feed the
+        prompt in pieces of at most n_ubatch - len(probe) tokens. Returns the number of cells freed."""
+        probe = [int(t) for t in probe]
+        buf = ffi.new("llama_token[]", max(1, len(probe)))
+        buf[0:len(probe)] = probe
+        mark = _native.log_mark()
+        n = self._lib.llama_polykv_probe_prompt(self.ptr, buf, len(probe))
+        if n < 0:
+            detail = _native.log_since(mark)
+            msg = ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace")
+            raise NativeError(msg + (f" ({detail})" if detail else ""))
+        return int(n)
 
     def compress_prompt(self) -> int:
         """In exact/portable prefill or with a prefill slack: compress the prompt fed so far now (each layer to

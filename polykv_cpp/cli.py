@@ -56,6 +56,8 @@ def cmd_run(args) -> int:
     model_path = args.model or args.model_pos
     if not model_path:
         raise PolyKVError("no model: give MODEL or -m MODEL")
+    if not 0 <= args.prompt_probe < min(args.ubatch_size, args.batch_size):
+        raise PolyKVError(f"--prompt-probe must be between 0 and the ubatch size - 1 (got {args.prompt_probe})")
     prompt = _read_prompt(args)
     _native.set_verbose(args.verbose)
     t0 = time.perf_counter()
@@ -85,8 +87,12 @@ def cmd_run(args) -> int:
                     ctx.compress_prompt_kvzip(tokens)
                     label += f", KVzip reconstruction pass {time.perf_counter() - t_zip:.1f} s"
                     gen_input = []  # the prompt is in the cache; generation starts from its logits
+            probe = None
+            if args.prompt_probe and args.prefill_mode == "chunked" and gen_input:
+                probe = gen_input[-args.prompt_probe:]
+                label += f", probed by the prompt's last {len(probe)} tokens"
             for piece in ctx.generate(gen_input, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
-                                      top_p=args.top_p, min_p=args.min_p, seed=args.seed, stream=True):
+                                      top_p=args.top_p, min_p=args.min_p, seed=args.seed, stream=True, probe=probe):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -200,6 +206,10 @@ def add_run_parser(sub) -> None:
                    help="chunked: keep up to S x the prefill budget while the prompt streams, compress to the budget "
                         "when the answer starts (the question then scores the prompt); memory S x budget + ubatch. "
                         "Default: the plan's own prefill_slack, else 1 (docs/results.md, prefill modes)")
+    p.add_argument("--prompt-probe", type=int, default=0, metavar="N",
+                   help="chunked: the prompt's last N tokens (the question) probe each chunk before it is evicted, "
+                        "so the question steers what a long prompt keeps (FINCH); costs N tokens per chunk. "
+                        "0 (default): off")
     p.set_defaults(func=cmd_run)
 
 

@@ -171,6 +171,23 @@ def test_a_plans_prefill_slack_is_the_default_of_run_and_the_stock_tools(cli_exe
     assert tool.returncode == 0, tool.stderr[-2000:]
     assert "PolyKV plan active" in tool.stderr and "prefill slack" not in tool.stderr
 
+def test_run_probes_a_streaming_prompt_with_its_last_tokens(cli_exe, tiny_gguf, tmp_path):
+    """--prompt-probe N: the summary names the probe; the cache keeps the plan's size; bad values are refused."""
+    from polykv_cpp.plan import uniform_plan
+
+    sidecar = tmp_path / "plan.json"
+    sidecar.write_text(uniform_plan(2, "snapkv", 32).to_json())
+    run = ["run", tiny_gguf, "--plan", sidecar, "-p", "the cat and the dog " * 40, "-n", "4", "-c", "2048",
+           "-ub", "128", "--no-echo"]
+    probed = run_cli(cli_exe, *run, "--prompt-probe", "16")
+    assert probed.returncode == 0, probed.stderr[-2000:]
+    assert "chunked prefill, probed by the prompt's last 16 tokens" in probed.stderr
+    assert f"saved {100 * (1 - 160 / 2048):.1f}%" in probed.stderr  # 32 + one ubatch of 128 cells, as unprobed
+    for bad in ("-1", "128"):
+        proc = run_cli(cli_exe, *run, "--prompt-probe", bad)
+        assert proc.returncode == 2 and "--prompt-probe must be" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_truncated_model_is_a_clean_error(cli_exe, tiny_gguf, tmp_path):
     bad = tmp_path / "cut.gguf"
     bad.write_bytes(tiny_gguf.read_bytes()[:5000])

@@ -558,6 +558,7 @@ class _FakeCtx:
     def __init__(self):
         self.batches: list[list[int]] = []
         self.seen: list[list[list[int]]] = []
+        self.probes: list[list[int] | None] = []
 
     def clear(self):
         self.batches = []
@@ -575,8 +576,9 @@ class _FakeCtx:
     def load_state_bytes(self, b):
         self.batches = json.loads(b)
 
-    def generate_tokens(self, toks, max_tokens, sampler=None):
+    def generate_tokens(self, toks, max_tokens, sampler=None, probe=None):
         self.batches.append(list(toks))
+        self.probes.append(probe)
         self.seen.append([list(x) for x in self.batches])
         yield 7
 
@@ -605,6 +607,7 @@ def _fed_batches(tmp_path, plan=None, **cfg_kw):
     ev._run_sample(ctx, Run("h2o", 48, plan or uniform_plan(2, "h2o", 48)), s)
     assert cfg.protocols == ["query-agnostic", "query-aware"]
     agnostic, aware = ctx.seen
+    ev.fake_ctx = ctx
     return agnostic, aware, ev
 
 
@@ -640,6 +643,22 @@ def test_prefill_slack_compresses_the_context_before_the_question(tmp_path):
     assert agnostic == [P1, ["compress"], P2] and aware == [P1 + P2]
     agnostic, aware, ev = _fed_batches(tmp_path, reuse=False, prefill="chunked")
     assert agnostic == [P1, P2]
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_prompt_probe_probes_the_query_aware_prompt_with_its_last_tokens(tmp_path, reuse):
+    """--prompt-probe N: the query-aware prompt streams whole with its last N tokens as the probe (so no prefix is
+    shared with the query-agnostic run); the query-agnostic context has no question to probe with."""
+    agnostic, aware, ev = _fed_batches(tmp_path, reuse=reuse, prefill="chunked", prompt_probe=8)
+    assert aware == [P1 + P2] and agnostic == [P1, P2]
+    assert ev.fake_ctx.probes == [None, (P1 + P2)[-8:]]
+    assert ev.reuse["prefix_tokens_shared"] == 0
+    _, _, ev = _fed_batches(tmp_path, reuse=reuse, prefill="chunked")
+    assert ev.fake_ctx.probes == [None, None]
+    with pytest.raises(EvalError, match="prompt-probe"):
+        EvalConfig(model="unused", prompt_probe=8).validate()  # exact prefill
+    with pytest.raises(EvalError, match="prompt-probe"):
+        EvalConfig(model="unused", prefill="chunked", prompt_probe=512).validate()  # no room in a ubatch
 
 
 def test_a_plans_own_prefill_slack_applies_unless_prefill_slack_is_given(tmp_path):

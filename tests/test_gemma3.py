@@ -185,3 +185,23 @@ def test_kvzip_on_sliding_window_layers(gemma):
             assert len(k) == 96
     assert all(needle_pos & set(kept["layer"][il]) for il in glob)
     assert not any(needle_pos & set(unscored[il]) for il in glob)
+
+
+def test_probing_a_streaming_prompt_on_gemma3(gemma):
+    """Sliding-window and global layers both take a probe (`decode(..., probe=...)`): the prompt streams in
+    ubatches of 128 with its question as the probe, the probe leaves no trace, and after the compression every
+    layer keeps its budget; the probe changes what the global layers keep."""
+    with Model(gemma) as model:
+        toks = model.tokenize(TEXT + " What is the secret number?")
+        model.set_plan(plan_mod.uniform_plan(model.n_layer, "snapkv", 64))
+        kept = {}
+        for probe in (toks[-16:], None):
+            with model.context(n_ctx=2048, n_batch=128, n_ubatch=128) as ctx:
+                ctx.decode(toks, probe=probe)
+                assert ctx.pos_max() == len(toks) - 1
+                ctx.compress_prompt()
+                kept[probe is None] = [ctx.kept_positions(il) for il in range(model.n_layer)]
+                assert all(len(k) == 64 for k in kept[probe is None])
+                assert all(max(k) == len(toks) - 1 for k in kept[probe is None])
+        glob = [il for il in range(model.n_layer) if il not in swa_layers(model)]
+        assert any(kept[False][il] != kept[True][il] for il in glob)

@@ -133,7 +133,7 @@ void llama_kv_cache_poly::read_kvzip(group & grp) {
     grp.t_knorm = nullptr;
 }
 
-void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
+void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool with_query_stats) {
     const size_t cap = grp.capacity;
     if (grp.t_rows || grp.t_rows_heads) {
         const int32_t w = grp.ring_size();
@@ -175,7 +175,7 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens) {
             }
         }
     }
-    if (grp.t_ea_sum && grp.t_ea_sq && !grp.ea_sum.empty()) {
+    if (grp.t_ea_sum && grp.t_ea_sq && !grp.ea_sum.empty() && with_query_stats) {
         GGML_ASSERT((size_t) ggml_nelements(grp.t_ea_sum) == grp.ea_sum.size() &&
                     (size_t) ggml_nelements(grp.t_ea_sq) == grp.ea_sq.size());
         std::vector<float> buf(grp.ea_sq.size());

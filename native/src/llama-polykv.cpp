@@ -726,19 +726,82 @@ llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_
 }
 
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
-    if (!prompt_pending || kvzip_active) {
+    if (!prompt_pending || kvzip_active || probe_active) {
         return;
     }
     if (ubatch.n_tokens == 1) {
         compress_prompt();
         return;
     }
-    // more of the prompt: the streaming groups make room for it by their stream pattern
+    // more of the prompt: the streaming groups (and, when no probe came after the last prompt ubatch, every group)
+    // make room for it
+    evict_streaming(false);
+}
+
+uint64_t llama_kv_cache_poly::evict_streaming(bool by_prompt_pattern) {
+    uint64_t n_freed = 0;
     for (auto & grp : groups) {
-        if (grp.stream >= 0) {
+        const uint64_t n0 = grp.n_evicted;
+        if (grp.stream >= 0 && !by_prompt_pattern) {
             evict(grp, stream_phase(grp));
+        } else if (probe_due || by_prompt_pattern) {
+            warn_kvzip_unscored(grp);
+            evict(grp, streaming_phase(prompt_phase(grp)));
         }
+        n_freed += grp.n_evicted - n0;
     }
+    probe_due = false;
+    return n_freed;
+}
+
+void llama_kv_cache_poly::set_prompt_probing(bool on) {
+    if (on && prefill_exact) {
+        throw std::runtime_error("probing scores a prompt that streams (chunked prefill); exact prefill keeps the "
+                                 "whole prompt and compresses it with its last tokens anyway");
+    }
+    probing = on;
+}
+
+uint64_t llama_kv_cache_poly::probe_prompt(llama_context * lctx, const llama_token * tokens, int32_t n_tokens) {
+    if (!probing) {
+        throw std::runtime_error("no probing: turn it on (llama_polykv_set_prompt_probing) before the prompt");
+    }
+    if (!tokens || n_tokens <= 0) {
+        throw std::runtime_error("a probe needs at least one token");
+    }
+    if (!probe_due) {
+        return 0; // nothing fed since the last probe or compression
+    }
+    const llama_pos p0 = pos_next;
+    if ((uint64_t) p0 + n_tokens > n_ctx) {
+        throw std::runtime_error("the probe needs n_ctx >= prompt so far + probe = " + std::to_string(p0 + n_tokens) +
+                                 " (n_ctx " + std::to_string(n_ctx) + ")");
+    }
+    const int32_t n_batch = (int32_t) llama_n_batch(lctx);
+    llama_batch batch = llama_batch_init(std::min(n_batch, n_tokens), 0, 1);
+    probe_active = true;
+    int32_t rc = 0;
+    for (int32_t i0 = 0; i0 < n_tokens && rc == 0; i0 += n_batch) {
+        batch.n_tokens = 0;
+        for (int32_t i = i0; i < std::min(n_tokens, i0 + n_batch); ++i) {
+            const int32_t k = batch.n_tokens++;
+            batch.token   [k]    = tokens[i];
+            batch.pos     [k]    = p0 + i;
+            batch.n_seq_id[k]    = 1;
+            batch.seq_id  [k][0] = seq;
+            batch.logits  [k]    = false;
+        }
+        rc = llama_decode(lctx, batch);
+    }
+    llama_memory_seq_rm(llama_get_memory(lctx), seq, p0, -1);
+    probe_active = false;
+    llama_batch_free(batch);
+    if (rc != 0) {
+        throw std::runtime_error("the probe failed (llama_decode returned " + std::to_string(rc) + "): it needs " +
+                                 std::to_string(n_tokens) + " free cells in every layer; feed the prompt in pieces of "
+                                 "at most n_ubatch - " + std::to_string(n_tokens) + " tokens");
+    }
+    return evict_streaming(true);
 }
 
 llama_polykv_phase_plan llama_kv_cache_poly::stream_phase(const group & grp) const {
@@ -767,6 +830,7 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
     }
     prompt_pending = false;
     prompt_done = true;
+    probe_due = false;
     return n_freed;
 }
 
@@ -852,17 +916,24 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         }
         return; // the reconstruction tokens leave the cache after each chunk; nothing is evicted
     }
+    if (probe_active) {
+        for (auto & grp : groups) {
+            read_scores(grp, ubatch.n_tokens, false);
+        }
+        return; // probe_prompt evicts once the probe has left the cache
+    }
     const bool decode = ubatch.n_tokens == 1;
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
         if (decode) {
             evict(grp, grp.phase[phase]);
-        } else if (!prefill_exact && grp.stream < 0) {
+        } else if (!prefill_exact && grp.stream < 0 && !probing) {
             warn_kvzip_unscored(grp);
             evict(grp, streaming_phase(prompt_phase(grp)));
         } // a streaming group evicts before the next prompt ubatch (before_ubatch), or compresses when decoding starts
     }
+    probe_due = probing && !prefill_exact && !decode;
     prompt_pending = compresses_at_decode() && !decode;
     prompt_done = prompt_done || decode;
 }
@@ -1223,6 +1294,36 @@ int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const lla
     try {
         llama_synchronize(ctx);
         return (int64_t) poly->compress_prompt_kvzip(ctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+    } catch (const std::exception & e) {
+        set_last_error(e.what());
+        return -1;
+    }
+}
+
+int32_t llama_polykv_set_prompt_probing(struct llama_context * ctx, bool on) {
+    auto * poly = get_poly(ctx);
+    if (!poly) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    try {
+        poly->set_prompt_probing(on);
+        return 0;
+    } catch (const std::exception & e) {
+        set_last_error(e.what());
+        return -1;
+    }
+}
+
+int64_t llama_polykv_probe_prompt(struct llama_context * ctx, const llama_token * tokens, int32_t n_tokens) {
+    auto * poly = get_poly(ctx);
+    if (!poly) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    try {
+        llama_synchronize(ctx);
+        return (int64_t) poly->probe_prompt(ctx, tokens, n_tokens);
     } catch (const std::exception & e) {
         set_last_error(e.what());
         return -1;

@@ -202,6 +202,14 @@ public:
     // true while the reconstruction pass runs (the graph scores only KVzip layers, nothing is evicted)
     bool kvzip_pass() const { return kvzip_active; }
 
+    // FINCH-style probing of a streaming prompt (Corallo & Papotti 2024, "FINCH: Prompt-guided Key-Value Cache
+    // Compression"): while on, a prompt ubatch keeps its tokens until probe_prompt scores them by the probe's
+    // queries (or until the next prompt ubatch evicts by the chunk's own rows); throws in exact prefill modes
+    void set_prompt_probing(bool on);
+    // feed the probe after the prompt so far, read its rows into the score state, remove it, evict every group to
+    // its streaming budget by its prompt pattern; returns the cells freed. Throws on misuse
+    uint64_t probe_prompt(llama_context * lctx, const llama_token * tokens, int32_t n_tokens);
+
     // kept positions of a layer (sorted); head >= 0: those of one KV head (per-head selection), head < 0: the
     // union over the heads
     std::vector<llama_pos> kept_positions(int32_t il, int32_t head = -1) const;
@@ -258,7 +266,11 @@ private:
     // chunked prefill with a "stream" pattern: streaming groups evict before each new prompt ubatch, not after
     bool streams = false;
 
-    bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams; }
+    bool probing      = false; // prompt ubatches wait for a probe before they evict
+    bool probe_active = false; // a probe is being decoded (its rows are read, nothing is evicted)
+    bool probe_due    = false; // a prompt ubatch has not been evicted yet (no probe came after it so far)
+
+    bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams || probing; }
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
     // how a group compresses prompt tokens: the prefill phase, or for a follow-up under a "followup": "decode" plan
@@ -271,7 +283,12 @@ private:
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
 
-    void read_scores(group & grp, uint32_t n_tokens);
+    // the score outputs of the last ubatch into the state; with_query_stats false: leave Expected Attention's
+    // query statistics alone (a probe's queries are not the prompt's)
+    void read_scores(group & grp, uint32_t n_tokens, bool with_query_stats = true);
+    // make room for more of a streaming prompt: every group to its streaming budget (stream groups by the stream
+    // pattern, unless by_prompt_pattern), returns the cells freed
+    uint64_t evict_streaming(bool by_prompt_pattern);
     // Expected Attention (Devoto et al. 2025, kvpress ExpectedAttentionPress): score every cell of a group from the
     // query statistics, the average rotation of the next EA_N_FUTURE positions, and the cached keys and values
     void score_expected_attention(group & grp);

@@ -90,6 +90,7 @@ def build_config(args: argparse.Namespace) -> Any:
     cfg.n_ubatch = args.ubatch_size
     cfg.prefill = args.prefill
     cfg.prefill_slack = args.prefill_slack
+    cfg.prompt_probe = args.prompt_probe
     cfg.flash_attn = args.flash_attn
     cfg.type_k = args.cache_type_k
     cfg.type_v = args.cache_type_v
@@ -196,6 +197,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="with --prefill chunked: while the prompt streams each layer keeps up to S x its budget and "
                         "the prompt is compressed to the budget when it ends (run's --prefill-slack); default: each "
                         "plan's own prefill_slack, else 1")
+    g.add_argument("--prompt-probe", type=int, default=0, metavar="N",
+                   help="with --prefill chunked, query-aware: the prompt's last N tokens (the question) probe each "
+                        "chunk before it is compressed (FINCH, run's --prompt-probe); 0 (default): off")
     g.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     g.add_argument("-ctk", "--cache-type-k", default="f16")
     g.add_argument("-ctv", "--cache-type-v", default="f16")

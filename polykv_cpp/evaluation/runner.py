@@ -145,6 +145,7 @@ class EvalConfig:
     prefill: str = "exact"  # exact | chunked (see PREFILL_TEXT)
     prefill_slack: float | None = None  # chunked only: a streaming prompt keeps up to slack x budget per layer;
     # None: each plan's own (its prefill_slack, else 1)
+    prompt_probe: int = 0  # chunked, query-aware: the prompt's last N tokens probe each chunk (FINCH); 0: off
     flash_attn: str = "auto"
     type_k: str = "f16"
     type_v: str = "f16"
@@ -182,6 +183,10 @@ class EvalConfig:
             raise EvalError(f"--prefill-slack must be a number >= 1 (got {self.prefill_slack})")
         if self.prefill_slack not in (None, 1.0) and self.prefill != "chunked":
             raise EvalError("--prefill-slack needs --prefill chunked (exact keeps the whole prompt anyway)")
+        if self.prompt_probe < 0 or (self.prompt_probe and self.prefill != "chunked"):
+            raise EvalError("--prompt-probe N needs N >= 0 and --prefill chunked (exact keeps the whole prompt)")
+        if self.prompt_probe >= self.n_ubatch:
+            raise EvalError(f"--prompt-probe {self.prompt_probe} must be below the ubatch ({self.n_ubatch})")
         if self.state_cache and self.prefill != "exact":
             raise EvalError("--state-cache needs --prefill exact (chunked prefill has no shareable prompt state)")
         if self.chat_template != "auto" and self.chat_template not in T.CHAT_FORMATS:
@@ -491,6 +496,7 @@ class Evaluator:
         cfg = self.cfg
         return {"model": _file_id(self.model_path), "seed": cfg.seed, "chat": self.chat, "prefill": cfg.prefill,
                 **({"prefill_slack": cfg.prefill_slack} if cfg.prefill_slack not in (None, 1.0) else {}),
+                **({"prompt_probe": cfg.prompt_probe} if cfg.prompt_probe else {}),
                 "n_ubatch": cfg.n_ubatch,
                 "n_batch": cfg.n_batch, "type_k": cfg.type_k, "type_v": cfg.type_v, "flash_attn": cfg.flash_attn,
                 "haystack": cfg.haystack, "max_new_tokens": cfg.max_new_tokens, "ppl_tokens": cfg.ppl_tokens,
@@ -614,6 +620,8 @@ class Evaluator:
         self.model.set_plan(plan, prefill=prefill, prefill_slack=slack)
         if prefill == "chunked" and plan is not None:
             run.info["prefill_slack"] = slack
+            if cfg.prompt_probe:
+                run.info["prompt_probe"] = cfg.prompt_probe
         self.reuse["contexts_created"] += 1
         return self.model.context(n_ctx=self.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                   n_threads=cfg.n_threads, flash_attn=cfg.flash_attn, type_k=cfg.type_k,
@@ -639,8 +647,8 @@ class Evaluator:
             run.info["kv_bytes_fullkv"] = full
 
     # ---- generation ----------------------------------------------------------------------------------
-    def _generate(self, ctx, tokens: list[int], sample: T.Sample) -> tuple[str, int]:
-        it = ctx.generate_tokens(tokens, max_tokens=sample.max_new_tokens)
+    def _generate(self, ctx, tokens: list[int], sample: T.Sample, probe: list[int] | None = None) -> tuple[str, int]:
+        it = ctx.generate_tokens(tokens, max_tokens=sample.max_new_tokens, probe=probe)
         try:
             return read_answer(it, self.model, sample)
         finally:
@@ -690,8 +698,9 @@ class Evaluator:
                 return
         p1, p2 = prompt.part1, prompt.part2
         P = (len(p1) // cfg.n_ubatch) * cfg.n_ubatch
+        # a probed query-aware prompt streams differently from its first chunk on: nothing to share
         share = (cfg.reuse and cfg.prefill == "chunked" and len(todo) == 2 and P > 0
-                 and cfg.n_batch % cfg.n_ubatch == 0)
+                 and cfg.n_batch % cfg.n_ubatch == 0 and not cfg.prompt_probe)
         self.reuse["prefix_tokens_total"] += len(p1) * len(todo)
         state = None
         if share:
@@ -711,7 +720,8 @@ class Evaluator:
                 self._compress(ctx, run, p1 + p2)
                 pred, n = self._generate(ctx, [], sample)
             elif p == "query-aware":
-                pred, n = self._generate(ctx, p1[start:] + p2, sample)
+                probe = (p1 + p2)[-cfg.prompt_probe:] if cfg.prompt_probe else None
+                pred, n = self._generate(ctx, p1[start:] + p2, sample, probe=probe)
             else:
                 if len(p1) > start:
                     ctx.decode(p1[start:])
