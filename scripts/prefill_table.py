@@ -55,12 +55,14 @@ def peak_kv_bytes(data: dict, method: str, budget: int) -> int | None:
 
 
 def mode_label(data: dict, method: str) -> str:
-    """exact, or chunked with the slack the method's run took (its plan's own, or --prefill-slack)."""
+    """exact, or chunked with the slack the method's run took (its plan's own, or --prefill-slack) and its probe."""
     cfg = data["config"]
     if cfg.get("prefill", "chunked") == "exact":
         return "exact"
     run = next((r for r in data["runs"] if r["method"] == method), {})
-    return f"chunked, slack {run.get('prefill_slack', cfg.get('prefill_slack') or 1.0):g}"
+    label = f"chunked, slack {run.get('prefill_slack', cfg.get('prefill_slack') or 1.0):g}"
+    probe = run.get("prompt_probe", cfg.get("prompt_probe"))
+    return label + (f", probed by the last {probe} tokens" if probe else "")
 
 
 def build(runs: dict[str, dict], method: str, budget: int, methods: dict[str, str] | None = None) -> dict:

@@ -877,19 +877,21 @@ def test_prefill_table_from_real_runs(tiny_gguf, tmp_path, capsys):
     base = {**TINY_BASE, "budgets": [48], "methods": ["fullkv", "snapkv"], "ppl": False, "png": False}
     dirs = {}
     for label, kw in (("exact", {"prefill": "exact"}), ("s1", {"prefill": "chunked"}),
-                      ("s4", {"prefill": "chunked", "prefill_slack": 4.0})):
+                      ("s4", {"prefill": "chunked", "prefill_slack": 4.0}),
+                      ("p8", {"prefill": "chunked", "prompt_probe": 8})):
         dirs[label] = tmp_path / label
         run_eval(EvalConfig(model=str(tiny_gguf), out_dir=str(dirs[label]), **kw, **base), log=lambda m: None)
     out = tmp_path / "table"
     assert mod.main(["--budget", "48", "--out", str(out)] + [f"{k}={v}" for k, v in dirs.items()]) == 0
     t = json.loads((out / "prefill_table.json").read_text())
     rows = t["modes"]
-    assert [rows[k]["mode"] for k in dirs] == ["exact", "chunked, slack 1", "chunked, slack 4"]
+    assert [rows[k]["mode"] for k in dirs] == ["exact", "chunked, slack 1", "chunked, slack 4",
+                                               "chunked, slack 1, probed by the last 8 tokens"]
     full_bytes = {(r["method"], r["budget"]): r for r in json.loads((dirs["exact"] / "results.json").read_text())[
         "runs"]}[("snapkv", 48)]["kv_bytes_fullkv"]
     assert rows["exact"]["peak_kv_bytes"] == full_bytes
-    assert rows["s1"]["peak_kv_bytes"] < rows["s4"]["peak_kv_bytes"]
-    for k in ("s1", "s4"):
+    assert rows["s1"]["peak_kv_bytes"] == rows["p8"]["peak_kv_bytes"] < rows["s4"]["peak_kv_bytes"]
+    for k in ("s1", "s4", "p8"):
         for proto in ("query-aware", "query-agnostic"):
             c = rows[k][proto]
             same = c["score"] == rows["exact"][proto]["score"]
