@@ -172,7 +172,8 @@ def test_a_plans_prefill_slack_is_the_default_of_run_and_the_stock_tools(cli_exe
     assert "PolyKV plan active" in tool.stderr and "prefill slack" not in tool.stderr
 
 def test_run_probes_a_streaming_prompt_with_its_last_tokens(cli_exe, tiny_gguf, tmp_path):
-    """--prompt-probe N: the summary names the probe; the cache keeps the plan's size; bad values are refused."""
+    """--prompt-probe N: the summary names the probe; the cache keeps the plan's size; the default probes with the
+    last 32 tokens, 0 turns it off; bad values are refused."""
     from polykv_cpp.plan import uniform_plan
 
     sidecar = tmp_path / "plan.json"
@@ -183,6 +184,12 @@ def test_run_probes_a_streaming_prompt_with_its_last_tokens(cli_exe, tiny_gguf, 
     assert probed.returncode == 0, probed.stderr[-2000:]
     assert "chunked prefill, probed by the prompt's last 16 tokens" in probed.stderr
     assert f"saved {100 * (1 - 160 / 2048):.1f}%" in probed.stderr  # 32 + one ubatch of 128 cells, as unprobed
+    default = run_cli(cli_exe, *run)
+    assert default.returncode == 0 and "chunked prefill, probed by the prompt's last 32 tokens" in default.stderr
+    off = run_cli(cli_exe, *run, "--prompt-probe", "0")
+    assert off.returncode == 0 and "probed" not in off.stderr and "; chunked prefill" in off.stderr
+    short = run_cli(cli_exe, *run[:4], "-p", "the cat", *run[6:])  # one ubatch: nothing to probe
+    assert short.returncode == 0 and "probed" not in short.stderr, short.stderr[-2000:]
     for bad in ("-1", "128"):
         proc = run_cli(cli_exe, *run, "--prompt-probe", bad)
         assert proc.returncode == 2 and "--prompt-probe must be" in proc.stderr and "Traceback" not in proc.stderr
