@@ -198,10 +198,12 @@ def run_config(spec: dict) -> dict:
                 p1 = ctx.perf()
                 return p1["eval_ms"] - p0["eval_ms"], w, int(p1["eval_tokens"] - p0["eval_tokens"])
 
+            n_probe = s.get("prompt_probe", 0)
+
             def prefill(n: int) -> float:
                 ctx.clear()
                 w0 = time.perf_counter()
-                ctx.decode(tokens[:n])
+                ctx.decode(tokens[:n], probe=tokens[max(0, n - n_probe):n] if n_probe else None)
                 ctx.logits()  # sync
                 return time.perf_counter() - w0
 
@@ -399,7 +401,8 @@ def markdown(report: dict) -> str:
     m = report["settings"]
     n_ctx = max((c["n_ctx"] for c in report["configs"]), default=m["ctx"])
     lines.append(f"### KV benchmark: {Path(m['model']).name}, n_ctx {n_ctx}, {m['threads']} threads, "
-                 f"n_batch {m['n_batch']}, n_ubatch {m['n_ubatch']}, kv budget {m['kv_budget']}, n_gen {m['n_gen']}")
+                 f"n_batch {m['n_batch']}, n_ubatch {m['n_ubatch']}, kv budget {m['kv_budget']}, n_gen {m['n_gen']}"
+                 + (f", prompt probe {m['prompt_probe']}" if m.get("prompt_probe") else ""))
     lines.append("")
     lines.append("| config | depth | prefill tok/s | decode tok/s | decode tok/s (wall) | KV MiB | FullKV MiB | "
                  "KV ratio | max layer cells | full-size buffer | peak RSS MiB |")
@@ -560,6 +563,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-type-k", "-ctk", default="f16")
     p.add_argument("--cache-type-v", "-ctv", default="f16")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, default=0)
+    p.add_argument("--prompt-probe", type=int, default=0, metavar="N",
+                   help="prefill with the prompt's last N tokens as a probe (run's default is 32; 0: none)")
     p.add_argument("--out", default="results/bench.json", help="JSON output (default results/bench.json)")
     p.add_argument("--png", default=None, help="plot (default: --out with .png)")
     p.add_argument("--md", default=None, help="also write the markdown tables to this file")
@@ -597,7 +602,7 @@ def resolve_settings(args) -> dict:
         "reps": max(1, args.reps), "ctx": ctx, "n_batch": args.batch or q.get("n_batch") or 2048,
         "n_ubatch": args.ubatch or q.get("n_ubatch") or 512, "threads": args.threads or os.cpu_count() or 1,
         "flash_attn": args.flash_attn, "type_k": args.cache_type_k, "type_v": args.cache_type_v,
-        "n_gpu_layers": args.n_gpu_layers, "kv_budget": args.kv_budget,
+        "n_gpu_layers": args.n_gpu_layers, "kv_budget": args.kv_budget, "prompt_probe": args.prompt_probe,
     }
 
 

@@ -104,3 +104,18 @@ def test_bench_takes_the_eval_method_names(bench, tiny2, tmp_path):
         with pytest.raises(SystemExit, match="unknown"):
             bench.main(["--quick", "--model", str(tiny2), "--uniform", bad, "--out", str(tmp_path / "y.json"),
                         "--no-progress"])
+
+
+def test_bench_prefills_with_a_probe(bench, tiny2, tmp_path):
+    """--prompt-probe N: the prefill takes the prompt's last N tokens as its probe (the report says so) and the
+    cache keeps the plan's size."""
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--quick", "--model", str(tiny2), "--depths", "128", "--prefill-len", "128", "--uniform",
+                     "snapkv", "--kv-budget", "32", "--threads", "1", "--no-fullkv", "--prompt-probe", "8",
+                     "--out", str(out), "--no-progress"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["prompt_probe"] == 8
+    (cfg,) = report["configs"]
+    assert cfg["polykv_active"] and cfg["depths"][0]["kv_used_cells"] <= 2 * (32 + 1)  # budget (+1) per layer
+    assert "prompt probe 8" in bench.markdown(report)
