@@ -887,6 +887,7 @@ def test_prefill_table_from_real_runs(tiny_gguf, tmp_path, capsys):
     rows = t["modes"]
     assert [rows[k]["mode"] for k in dirs] == ["exact", "chunked, slack 1", "chunked, slack 4",
                                                "chunked, slack 1, probed by the last 8 tokens"]
+    assert "probed by their last 8 tokens" in json.loads((dirs["p8"] / "results.json").read_text())["prefill"]
     full_bytes = {(r["method"], r["budget"]): r for r in json.loads((dirs["exact"] / "results.json").read_text())[
         "runs"]}[("snapkv", 48)]["kv_bytes_fullkv"]
     assert rows["exact"]["peak_kv_bytes"] == full_bytes

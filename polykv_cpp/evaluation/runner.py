@@ -91,6 +91,8 @@ PREFILL_TEXT = {
 SLACK_TEXT = ("; with prefill slack {s:g}: while the prompt streams each layer keeps up to {s:g} x its budget, "
               "and the prompt is compressed to the budget when it ends (query-aware: when the answer starts, the "
               "question in the observation window; query-agnostic: after the context, before the question)")
+PROBE_TEXT = ("; query-aware prompts are probed by their last {n} tokens (the question): after every chunk of "
+              "n_ubatch - {n} tokens they are decoded after it, score it, and leave the cache (run's default)")
 # the portable state keeps the attention rows of this many last queries (native POLYKV_PORTABLE_OBS_WINDOW)
 PORTABLE_OBS_WINDOW = 64
 PROTOCOL_TEXT = {
@@ -1044,7 +1046,8 @@ class Evaluator:
             },
             "protocols": {p: PROTOCOL_TEXT[p] for p in [*cfg.protocols, "teacher-forced"]},
             "prefill": PREFILL_TEXT[cfg.prefill] + (SLACK_TEXT.format(s=cfg.prefill_slack)
-                                                   if (cfg.prefill_slack or 1.0) > 1.0 else ""),
+                                                   if (cfg.prefill_slack or 1.0) > 1.0 else "")
+                       + (PROBE_TEXT.format(n=cfg.prompt_probe) if cfg.prompt_probe else ""),
             "budget_definition": BUDGET_TEXT,
             "methods": self.methods,
             "plans": {n: {"origin": self.plan_origin.get(n), "summary": p.summary(), "b_min": p.b_min,
