@@ -29,7 +29,8 @@ echo "[polykv-cpp] 1/2 FullKV (stock llama.cpp cache), for reference:"
 run
 echo
 echo "[polykv-cpp] 2/2 the calibrated plan ($plan, 512 tokens per layer on average), the prompt streamed"
-echo "[polykv-cpp]     with the plan's prefill slack of 2 (at most 2 x the budget per layer until the question is read):"
+echo "[polykv-cpp]     with the plan's prefill slack of 2 (at most 2 x the budget per layer until the question is read),"
+echo "[polykv-cpp]     the prompt's last 32 tokens (the question) probing each chunk before it is evicted (run's default):"
 run --plan "$plan"
 echo
 echo "[polykv-cpp] where the two answers differ, the facts asked for were evicted while the prompt streamed"
