@@ -7,6 +7,12 @@ share of the base's gap to FullKV it recovers, each with the paired, task-strati
 whose interval holds 0 is a tie.
 
     python scripts/paired_diff.py results/eval-qwen-4k-10samples/results.json --base snapkv
+
+Several runs on the same prompts (another prefill mode, a later method) pair as LABEL=PATH: their methods are named
+LABEL:method, and the prompts they share must have the same answers and lengths (checked):
+
+    python scripts/paired_diff.py probed=results/eval-qwen-4k-chunked-probe/results.json \
+        exact=results/eval-qwen-4k-adakv/results.json --base probed:snapkv@23
 """
 
 from __future__ import annotations
@@ -32,6 +38,29 @@ def method_scores(records: list[dict], protocol: str) -> dict[str, dict[str, dic
     return scores
 
 
+def load_runs(specs: list[str], protocol: str) -> dict[str, dict[str, dict[tuple, float]]]:
+    """method_scores of one results.json, or of several given as LABEL=PATH (methods named LABEL:method); refuses
+    runs whose shared samples differ (answers or prompt length): their scores would not pair."""
+    scores: dict[str, dict[str, dict[tuple, float]]] = {}
+    prompts: dict[tuple, tuple] = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep:
+            label, path = "", spec
+        records = json.load(open(path))["records"]
+        for r in records:
+            if r.get("kind", "ruler") != "ruler" or "answers" not in r:
+                continue
+            key = (r["task"], r["length"], r["index"])
+            this = (json.dumps(r["answers"]), r.get("n_prompt"))
+            if prompts.setdefault(key, this) != this:
+                raise SystemExit(f"paired_diff: {path}: sample {key} differs from the other runs' (answers or prompt "
+                                 "length): not the same prompts")
+        for m, v in method_scores(records, protocol).items():
+            scores[f"{label}:{m}" if label else m] = v
+    return scores
+
+
 def common_samples(scores: dict[str, dict[str, dict[tuple, float]]]) -> tuple[dict, int]:
     """The scores restricted to the (task, sample) pairs every method has, so that the pairing holds when one
     method's run is incomplete; and how many results that left out."""
@@ -49,23 +78,25 @@ def task_average(by_task: dict[str, dict[tuple, float]]) -> float:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("results", help="results.json of polykv-cpp eval")
+    p.add_argument("results", nargs="+", help="results.json of polykv-cpp eval, or several as LABEL=PATH")
     p.add_argument("--base", default="snapkv", help="the method the others are compared with (default snapkv)")
     p.add_argument("--protocol", default="query-aware")
     p.add_argument("--only", help="compare only these methods (comma-separated; the base and fullkv are added)")
     args = p.parse_args(argv)
-    scores = method_scores(json.load(open(args.results))["records"], args.protocol)
+    scores = load_runs(args.results, args.protocol)
     if args.only:
         keep = set(args.only.split(",")) | {args.base, "fullkv"}
-        scores = {m: v for m, v in scores.items() if m.rpartition("@")[0] in keep or m in keep}
+        scores = {m: v for m, v in scores.items()
+                  if m.rpartition("@")[0] in keep or m in keep or m.rpartition(":")[2] == "fullkv"}
     scores, n_dropped = common_samples(scores)
     if n_dropped:
         print(f"(a method lacks some samples: every method is compared on the {sum(map(len, next(iter(scores.values())).values()))} "
               f"samples they all have; {n_dropped} results left out)")
     reps = bootstrap_task_average(scores)
-    full = reps.get("fullkv")
-    if full is None:
+    full_key = next((m for m in reps if m.rpartition(":")[2] == "fullkv"), None)
+    if full_key is None:
         raise SystemExit("paired_diff: the run has no fullkv results")
+    full = reps[full_key]
     bases = [m for m in reps if m.rpartition("@")[0] == args.base]
     if not bases:
         raise SystemExit(f"paired_diff: no results of {args.base!r} ({args.protocol})")
@@ -79,10 +110,13 @@ def main(argv=None) -> int:
             diff = reps[m] - reps[base]
             gap = diff / (full - reps[base])
             point = task_average(scores[m]) - task_average(scores[base])
-            point_gap = point / (task_average(scores["fullkv"]) - task_average(scores[base]))
+            point_gap = point / (task_average(scores[full_key]) - task_average(scores[base]))
             (d0, d1), (g0, g1) = interval(diff), interval(gap)
             print(f"| {m.rpartition('@')[0]} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
                   f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] |")
+        point = task_average(scores[full_key]) - task_average(scores[base])
+        d0, d1 = interval(full - reps[base])
+        print(f"| {full_key} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | 100% |")
     return 0
 
 

@@ -855,9 +855,30 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("(a method lacks some samples: every method is compared on the 6 samples")
     rows = {line.split("|")[1].strip(): line for line in out[3:]}
-    assert set(rows) == {"partial", "better"}
+    assert set(rows) == {"partial", "better", "fullkv"}  # FullKV - base closes the table
     assert rows["better"].split("|")[3].strip().startswith("+66.7")
     assert rows["partial"].split("|")[3].strip().startswith("+66.7")
+
+
+def test_paired_diff_pairs_runs_on_the_same_prompts(tmp_path, capsys):
+    """LABEL=PATH runs pair by (task, sample) under LABEL:method; runs whose samples differ are refused."""
+    mod = _script("paired_diff")
+
+    def rec(method, budget, i, score, answer="7"):
+        return {"kind": "ruler", "task": "a", "length": 1024, "index": i, "protocol": "query-aware",
+                "method": method, "budget": budget, "score": score, "answers": [answer], "n_prompt": 1000}
+
+    exact = [rec("fullkv", None, i, 1.0) for i in range(6)] + [rec("snapkv", 64, i, float(i < 2)) for i in range(6)]
+    probed = [rec("snapkv", 64, i, float(i < 5)) for i in range(6)]
+    (tmp_path / "e.json").write_text(json.dumps({"records": exact}))
+    (tmp_path / "p.json").write_text(json.dumps({"records": probed}))
+    assert mod.main([f"exact={tmp_path / 'e.json'}", f"probed={tmp_path / 'p.json'}", "--base", "exact:snapkv"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["probed:snapkv"].split("|")[3].strip().startswith("+50.0")
+    assert rows["exact:fullkv"].split("|")[3].strip().startswith("+66.7")
+    (tmp_path / "x.json").write_text(json.dumps({"records": [rec("snapkv", 64, 0, 1.0, answer="8")]}))
+    with pytest.raises(SystemExit, match="not the same prompts"):
+        mod.main([f"exact={tmp_path / 'e.json'}", f"other={tmp_path / 'x.json'}", "--base", "exact:snapkv"])
 
 
 def _script(name: str):
