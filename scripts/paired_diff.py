@@ -108,7 +108,8 @@ def main(argv=None) -> int:
             if m == base or m.rpartition("@")[2] != budget:
                 continue
             diff = reps[m] - reps[base]
-            gap = diff / (full - reps[base])
+            with np.errstate(divide="ignore", invalid="ignore"):  # replicates where the base equals FullKV
+                gap = diff / (full - reps[base])
             point = task_average(scores[m]) - task_average(scores[base])
             point_gap = point / (task_average(scores[full_key]) - task_average(scores[base]))
             (d0, d1), (g0, g1) = interval(diff), interval(gap)
