@@ -122,7 +122,8 @@ def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool
     perf = ctx.perf()
     lines = [
         f"model: {model.description} ({model.n_layer} layers), loaded in {t_load:.2f} s",
-        f"prompt: {n_prompt} tokens, {_rate(perf['prompt_tokens'], perf['prompt_ms'])}",
+        # the prompt's own tokens over all prompt-processing time (which also spans a probe's or KVzip's tokens)
+        f"prompt: {n_prompt} tokens, {_rate(n_prompt, perf['prompt_ms'])}",
         f"generation: {perf['eval_tokens']} tokens, {_rate(perf['eval_tokens'], perf['eval_ms'])}",
     ]
     stats = ctx.kv_layer_stats()
