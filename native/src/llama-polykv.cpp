@@ -725,6 +725,32 @@ llama_polykv_phase_plan llama_kv_cache_poly::streaming_phase(const llama_polykv_
     return res;
 }
 
+// decode `tokens` as sequence seq at positions p0, p0 + 1, ... (no outputs; pieces of at most n_batch tokens), then
+// remove everything from p0 on: the passes whose queries score the cache and leave no trace (KVzip, a probe).
+// Returns the first non-zero code of llama_decode, else 0
+static int32_t decode_transient(llama_context * lctx, llama_seq_id seq, const std::vector<llama_token> & tokens,
+                                llama_pos p0) {
+    const int32_t n = (int32_t) tokens.size();
+    const int32_t n_batch = (int32_t) llama_n_batch(lctx);
+    llama_batch batch = llama_batch_init(std::max(1, std::min(n_batch, n)), 0, 1);
+    int32_t rc = 0;
+    for (int32_t i0 = 0; i0 < n && rc == 0; i0 += n_batch) {
+        batch.n_tokens = 0;
+        for (int32_t i = i0; i < std::min(n, i0 + n_batch); ++i) {
+            const int32_t k = batch.n_tokens++;
+            batch.token   [k]    = tokens[i];
+            batch.pos     [k]    = p0 + i;
+            batch.n_seq_id[k]    = 1;
+            batch.seq_id  [k][0] = seq;
+            batch.logits  [k]    = false;
+        }
+        rc = llama_decode(lctx, batch);
+    }
+    llama_batch_free(batch);
+    llama_memory_seq_rm(llama_get_memory(lctx), seq, p0, -1);
+    return rc;
+}
+
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
     if (!prompt_pending || kvzip_active || probe_active) {
         return;
@@ -777,25 +803,9 @@ uint64_t llama_kv_cache_poly::probe_prompt(llama_context * lctx, const llama_tok
         throw std::runtime_error("the probe needs n_ctx >= prompt so far + probe = " + std::to_string(p0 + n_tokens) +
                                  " (n_ctx " + std::to_string(n_ctx) + ")");
     }
-    const int32_t n_batch = (int32_t) llama_n_batch(lctx);
-    llama_batch batch = llama_batch_init(std::min(n_batch, n_tokens), 0, 1);
     probe_active = true;
-    int32_t rc = 0;
-    for (int32_t i0 = 0; i0 < n_tokens && rc == 0; i0 += n_batch) {
-        batch.n_tokens = 0;
-        for (int32_t i = i0; i < std::min(n_tokens, i0 + n_batch); ++i) {
-            const int32_t k = batch.n_tokens++;
-            batch.token   [k]    = tokens[i];
-            batch.pos     [k]    = p0 + i;
-            batch.n_seq_id[k]    = 1;
-            batch.seq_id  [k][0] = seq;
-            batch.logits  [k]    = false;
-        }
-        rc = llama_decode(lctx, batch);
-    }
-    llama_memory_seq_rm(llama_get_memory(lctx), seq, p0, -1);
+    const int32_t rc = decode_transient(lctx, seq, std::vector<llama_token>(tokens, tokens + n_tokens), p0);
     probe_active = false;
-    llama_batch_free(batch);
     if (rc != 0) {
         throw std::runtime_error("the probe failed (llama_decode returned " + std::to_string(rc) + "): it needs " +
                                  std::to_string(n_tokens) + " free cells in every layer; feed the prompt in pieces of "
@@ -865,9 +875,6 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
     for (auto & grp : groups) {
         std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
     }
-    // each reconstruction sequence (prefix + chunk) goes to llama_decode in pieces of at most n_batch tokens
-    const int32_t n_batch = (int32_t) llama_n_batch(lctx);
-    llama_batch batch = llama_batch_init(n_batch, 0, 1);
     kvzip_active = true;
     int32_t rc = 0;
     for (int32_t c0 = 0; c0 < n_tokens && rc == 0; c0 += n_chunk) {
@@ -875,23 +882,11 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
         // a chunk after the first starts with the last tokens before it (kvpress: "starting with" the previous
         // chunk's last 8), so the copy resumes where it was; as many as n_ctx leaves room for
         const int32_t n_overlap = std::max(0, std::min({ 8, c0, (int32_t) n_ctx - (n_prompt + n_prefix + n_part) }));
-        const int32_t n_seq = n_prefix + n_overlap + n_part;
-        for (int32_t i0 = 0; i0 < n_seq && rc == 0; i0 += n_batch) {
-            batch.n_tokens = 0;
-            for (int32_t i = i0; i < std::min(n_seq, i0 + n_batch); ++i) {
-                const int32_t k = batch.n_tokens++;
-                batch.token   [k]    = i < n_prefix ? prefix[i] : tokens[c0 - n_overlap + i - n_prefix];
-                batch.pos     [k]    = n_prompt + i;
-                batch.n_seq_id[k]    = 1;
-                batch.seq_id  [k][0] = seq;
-                batch.logits  [k]    = false;
-            }
-            rc = llama_decode(lctx, batch);
-        }
-        llama_memory_seq_rm(llama_get_memory(lctx), seq, n_prompt, -1);
+        std::vector<llama_token> recon(prefix, prefix + n_prefix);
+        recon.insert(recon.end(), tokens + c0 - n_overlap, tokens + c0 + n_part);
+        rc = decode_transient(lctx, seq, recon, n_prompt);
     }
     kvzip_active = false;
-    llama_batch_free(batch);
     if (rc != 0) {
         throw std::runtime_error("KVzip: the reconstruction pass failed (llama_decode returned " + std::to_string(rc) + ")");
     }
