@@ -1279,50 +1279,43 @@ int64_t llama_polykv_compress_prompt(struct llama_context * ctx) {
     return n_freed;
 }
 
-int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const llama_token * prefix, int32_t n_prefix,
-                                           const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
+// f(the context's cache of sequence 0) for a C API call: -1 and last_error without a plan or when f throws (no
+// exception crosses the C API)
+template <typename F>
+static int64_t with_poly(struct llama_context * ctx, F f) {
     auto * poly = get_poly(ctx);
     if (!poly) {
         set_last_error("no PolyKV plan is active in this context");
         return -1;
     }
     try {
-        llama_synchronize(ctx);
-        return (int64_t) poly->compress_prompt_kvzip(ctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+        return f(poly);
     } catch (const std::exception & e) {
         set_last_error(e.what());
         return -1;
     }
+}
+
+int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const llama_token * prefix, int32_t n_prefix,
+                                           const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
+    return with_poly(ctx, [&](llama_kv_cache_poly * poly) {
+        llama_synchronize(ctx);
+        return (int64_t) poly->compress_prompt_kvzip(ctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+    });
 }
 
 int32_t llama_polykv_set_prompt_probing(struct llama_context * ctx, bool on) {
-    auto * poly = get_poly(ctx);
-    if (!poly) {
-        set_last_error("no PolyKV plan is active in this context");
-        return -1;
-    }
-    try {
+    return (int32_t) with_poly(ctx, [&](llama_kv_cache_poly * poly) {
         poly->set_prompt_probing(on);
-        return 0;
-    } catch (const std::exception & e) {
-        set_last_error(e.what());
-        return -1;
-    }
+        return (int64_t) 0;
+    });
 }
 
 int64_t llama_polykv_probe_prompt(struct llama_context * ctx, const llama_token * tokens, int32_t n_tokens) {
-    auto * poly = get_poly(ctx);
-    if (!poly) {
-        set_last_error("no PolyKV plan is active in this context");
-        return -1;
-    }
-    try {
+    return with_poly(ctx, [&](llama_kv_cache_poly * poly) {
         llama_synchronize(ctx);
         return (int64_t) poly->probe_prompt(ctx, tokens, n_tokens);
-    } catch (const std::exception & e) {
-        set_last_error(e.what());
-        return -1;
-    }
+    });
 }
 
 int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct llama_polykv_layer_stats * out, int32_t n_max) {
