@@ -219,7 +219,7 @@ def add_run_parser(sub) -> None:
     p.add_argument("--prompt-probe", type=int, default=None, metavar="N",
                    help="chunked: the prompt's last N tokens (the question) probe each chunk before it is evicted, "
                         "so the question steers what a long prompt keeps, as in exact prefill (FINCH); costs a "
-                        f"decode of N tokens per chunk (about 20%% more prefill time at 4K). Default "
+                        f"decode of N tokens per chunk (about 25%% more prefill time at 4K). Default "
                         f"{DEFAULT_PROMPT_PROBE} (at most a quarter of the ubatch); 0: off, each chunk is scored by "
                         "its own last tokens (docs/results.md, prefill modes)")
     p.set_defaults(func=cmd_run)
