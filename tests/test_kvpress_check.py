@@ -29,11 +29,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    """A tiny HF Qwen2 checkpoint and its fp32 GGUF twin."""
+    """A tiny HF Qwen2 checkpoint and its fp32 GGUF twin (the checkpoint with the GGUF's tokenizer, which
+    KVzipPress loads)."""
+    from transformers import AutoTokenizer
+
     d = tmp_path_factory.mktemp("kvp")
     model = tiny_hf_qwen2(TinyConfig(n_layer=3), seed=1)
     model.save_pretrained(d / "hf")
     write_qwen2_gguf_from_hf(model, d / "tiny.gguf")
+    AutoTokenizer.from_pretrained(str(d), gguf_file="tiny.gguf").save_pretrained(d / "hf")
     return d
 
 
@@ -55,7 +59,8 @@ def test_shared_prefill_gives_the_cache_of_kvpress_own_hooks(twins, n_ids, ratio
                                                  attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 380, (n_ids,), generator=g).tolist()
-    presses = {m: K.make_press(kvpress, m, K.ratio_for(ratio_budget, len(ids))) for m in K.PRESS_OF}
+    presses = {m: K.make_press(kvpress, m, K.ratio_for(ratio_budget, len(ids))) for m, press in K.PRESS_OF.items()
+               if press != K.KVZIP_PRESS}  # replayed after the prefill: test_kvzip_replay_equals_kvpress_own_flow
     shared = K.SharedPrefill(sdpa, presses)
     logits, full = shared.run(ids)
     with torch.no_grad():
@@ -118,6 +123,9 @@ def test_ratio_for_keeps_exactly_the_budget():
         for b in (1, 7, 32, 128, 500, 1024):
             r = K.ratio_for(b, n)
             assert compute_n_kept(n, r) == min(b, n) if r else b >= n
+            for n_pairs in (n, 2 * n, 24 * 2 * n):  # KVzipPress prunes int(pairs x ratio) of heads x tokens pairs
+                r = K.ratio_for(b, n, counts_pruned=True)
+                assert n_pairs - int(n_pairs * r) == n_pairs // n * min(b, n)
 
 
 def test_make_press_uses_our_window_kernel_and_sinks():
@@ -281,6 +289,61 @@ def test_adakv_masks_equal_kvpress_own_and_change_the_decode(twins):
     torch.testing.assert_close(ours_next, own_next)
     assert not torch.allclose(unmasked, ours_next, atol=1e-4)
     assert all(layer.self_attn.masked_key_indices is None for layer in sdpa.model.layers)
+
+
+@pytest.mark.parametrize("method", ["kvzip-head", "kvzip-model-wide"])
+def test_kvzip_replay_equals_kvpress_own_flow(twins, method):
+    """KVzipPress runs its reconstruction passes after the prefill: replayed on a copy of the shared prefill's
+    FullKV cache it leaves the cache and the masks of kvpress's own ``with press(model): model(ids)``."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    sdpa = AutoModelForCausalLM.from_pretrained(twins / "hf", dtype=torch.float32, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 380, (300,), generator=torch.Generator().manual_seed(3)).tolist()
+    budget = 40
+    press = K.make_press(kvpress, method, K.ratio_for(budget, len(ids), counts_pruned=True))
+    assert type(press).__name__ == "KVzipPress" and press.layerwise == (method == "kvzip-head")
+    shared = K.SharedPrefill(sdpa, {})
+    _, full = shared.run(ids)
+    kept, masked = K.kvzip_cache(sdpa, press, ids, full)
+    assert all(layer.self_attn.masked_key_indices is None for layer in sdpa.model.layers)
+    assert all(layer.keys.shape[2] == len(ids) for layer in full.layers)  # the shared cache is left as it was
+    own_cache = DynamicCache()
+    with torch.no_grad(), press(sdpa):
+        sdpa(input_ids=torch.tensor([ids]), past_key_values=own_cache)
+    own = [layer.self_attn.masked_key_indices for layer in sdpa.model.layers]
+    for layer in sdpa.model.layers:
+        layer.self_attn.masked_key_indices = None
+    for i, (a, b) in enumerate(zip(own, masked)):
+        assert {(int(h), int(t)) for h, t in zip(a[1], a[2])} == {(int(h), int(t)) for h, t in zip(b[1], b[2])}, i
+        torch.testing.assert_close(own_cache.layers[i].keys, kept[i][0])
+        torch.testing.assert_close(own_cache.layers[i].values, kept[i][1])
+    per_layer = K.kept_per_layer(kept, masked)
+    assert sum(per_layer) == 3 * budget
+    if method == "kvzip-head":
+        assert per_layer == [budget] * 3
+    else:  # chosen across the layers: this prompt's scores give them different shares
+        assert len(set(per_layer)) > 1
+
+
+def test_check_pairs_a_plan_of_ours_with_another_press(twins, eval_run, tmp_path):
+    """``OURS=PRESS_METHOD``: kvpress's KVzip (model-wide) next to our snapkv results, in the same records."""
+    cfg = K.KVPressCheckConfig(results=str(eval_run), out_dir=str(tmp_path / "kvz"), hf_model=str(twins / "hf"),
+                               methods=["snapkv=kvzip-model-wide"], protocols=["query-aware"], n_threads=1,
+                               progress=False, png=False)
+    data = K.run_kvpress_check(cfg, log=lambda m: None)
+    ours = {(r["task"], r["protocol"]): r for r in json.loads((eval_run / "results.json").read_text())["records"]
+            if r["kind"] == "ruler" and r["method"] == "snapkv"}
+    paired = [r for r in data["records"] if r["method"] == "snapkv=kvzip-model-wide"]
+    assert len(paired) == 2 and data["presses"] == {"snapkv=kvzip-model-wide": "KVzipPress"}
+    for r in paired:
+        assert r["ours_prediction"] == ours[(r["task"], r["protocol"])]["prediction"]
+        assert sum(r["kept_per_layer"]) == 3 * 40
+    assert "| snapkv=kvzip-model-wide | 40 |" in (tmp_path / "kvz" / "results.md").read_text()
+    for bad, msg in (("polykv=kvzip-model-wide", "no task results for polykv@40"),
+                     ("snapkv=kvzip-layer", "no kvpress press")):
+        with pytest.raises(K.KVPressCheckError, match=msg):
+            K.KVPressCheck(K.KVPressCheckConfig(results=str(eval_run), hf_model=str(twins / "hf"), methods=[bad],
+                                                progress=False), log=lambda m: None).setup()
 
 
 def test_summary_has_paired_intervals_on_the_average_and_per_task():

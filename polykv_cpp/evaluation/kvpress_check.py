@@ -59,6 +59,14 @@ PRESS_OF = {"streamingllm": "StreamingLLMPress", "h2o": "ObservedAttentionPress"
 # kvpress's scorer presses select per KV head (top-k of [batch, n_head_kv, n_key] scores): the same granularity
 # as our "-head" baselines, which map to the same presses
 PRESS_OF.update({f"{m}-head": PRESS_OF[m] for m in ("h2o", "snapkv", "tova", "knorm", "pyramidkv", "expected_attention")})
+#: KVzip runs its own reconstruction passes after the prefill, so it cannot share the prefill's hook: it is replayed
+#: on a copy of the FullKV cache (:func:`kvzip_cache`). KVzipPress(layerwise=True) keeps budget x n_head_kv pairs in
+#: every layer, split across the layer's heads by score (our uniform per-layer and per-head budgets);
+#: ``kvzip-model-wide`` is KVzipPress's default (layerwise=False): the pairs are chosen across the whole model per
+#: prompt, the allocation the paper uses, which a plan of ours approximates with per-layer budgets fixed in advance
+KVZIP_PRESS = "KVzipPress"
+KVZIP_LAYERWISE = {"kvzip": True, "kvzip-head": True, "kvzip-model-wide": False}
+PRESS_OF.update({m: KVZIP_PRESS for m in KVZIP_LAYERWISE})
 #: presses whose score reads the full attention matrix (kvpress asks for eager attention)
 NEEDS_ATTENTIONS = tuple(m for m, p in PRESS_OF.items() if p == "ObservedAttentionPress")
 #: our adaptive baselines (``snapkv-adaptive`` = ``adakv``, ...) -> kvpress's AdaKVPress around the pattern's press
@@ -67,7 +75,8 @@ ADAPTIVE_INNER = ("snapkv", "tova", "knorm", "expected_attention")
 ADAPTIVE_PRESS = "AdaKVPress"
 #: the methods this check maps, as the error message and --help name them
 KNOWN_METHODS = (f"{', '.join(PRESS_OF)}, snapkv@K, pyramidkv@K, adakv and "
-                 f"{', '.join(m + '-adaptive' for m in ADAPTIVE_INNER)}")
+                 f"{', '.join(m + '-adaptive' for m in ADAPTIVE_INNER)}; OURS=PRESS_METHOD pairs our method or plan "
+                 "OURS with kvpress's PRESS_METHOD (e.g. polykv-kvzip=kvzip-model-wide)")
 DIFFERENCES = [
     "kvpress selects tokens per KV head; our per-layer baselines keep one token set per layer (scores averaged over "
     "heads), our '-head' baselines select per KV head as kvpress does",
@@ -83,6 +92,11 @@ DIFFERENCES = [
     "ahead and leave the first 4 queries out of the statistics (kvpress's defaults)",
     "adaptive (Ada-KV) = AdaKVPress around the pattern's press (safeguard 0.2, as ours): kvpress keeps the whole "
     "cache and masks the dropped (head, token) pairs in attention; ours keeps rows for the longest head",
+    "KVzip = KVzipPress, replayed on a copy of the FullKV cache (its own reconstruction passes, chunks of 2048): "
+    "kvzip and kvzip-head map to layerwise=True, which splits each layer's budget x n_head_kv pairs across its heads "
+    "by score with no floor and masks the rest (ours: one set per layer, or budget per head); kvzip-model-wide is "
+    "its default, pairs chosen across all layers per prompt (ours: per-layer budgets fixed by the plan). kvpress "
+    "scores a chunk by the repeat of that chunk only and leaves the chat template's prefix unscored (sinks kept)",
 ]
 
 
@@ -116,12 +130,15 @@ def _import_kvpress():
     return kvpress
 
 
-def ratio_for(budget: int, n_tokens: int) -> float:
+def ratio_for(budget: int, n_tokens: int, *, counts_pruned: bool = False) -> float:
     """kvpress's ``compression_ratio`` that keeps exactly ``budget`` of ``n_tokens`` (0 when all fit).
 
-    kvpress keeps ``int(n * (1 - ratio))`` tokens; half a token of slack keeps float rounding off the floor."""
+    kvpress's scorer presses keep ``int(n * (1 - ratio))`` tokens; half a token of slack keeps float rounding off
+    the floor. KVzipPress (``counts_pruned``) prunes ``int(n_pairs * ratio)`` pairs: the slack goes the other way."""
     if budget >= n_tokens:
         return 0.0
+    if counts_pruned:
+        return (n_tokens - budget) / n_tokens + 1e-9
     return (n_tokens - budget - 0.5) / n_tokens
 
 
@@ -135,9 +152,16 @@ def _adaptive_base(method: str) -> str | None:
     return base + at + kernel if sep and unit == "adaptive" else None
 
 
+def split_pair(method: str) -> tuple[str, str]:
+    """(our method or plan label, kvpress method) of ``OURS=PRESS_METHOD``; both are ``method`` without ``=``."""
+    ours, eq, theirs = method.partition("=")
+    return (ours, theirs) if eq else (method, method)
+
+
 def press_name(method: str) -> str | None:
     """The kvpress press class for our baseline ``method`` (a pooling variant ``snapkv@23`` of SnapKV/PyramidKV maps
     to the press with that kernel; an adaptive one to AdaKVPress), None if kvpress has none."""
+    method = split_pair(method)[1]
     base = _adaptive_base(method)
     if base is not None:
         return ADAPTIVE_PRESS if base.partition("@")[0] in ADAPTIVE_INNER and press_name(base) else None
@@ -155,6 +179,10 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
     press = press_name(method)
     if press is None:
         raise KVPressCheckError(f"no kvpress press for {method!r} (known: {KNOWN_METHODS})")
+    method = split_pair(method)[1]
+    if press == KVZIP_PRESS:
+        return kvpress.KVzipPress(compression_ratio=ratio, layerwise=KVZIP_LAYERWISE[method],
+                                  n_sink=DEFAULT_PARAMS["kvzip"]["n_sink"])
     base = _adaptive_base(method)
     if base is not None:
         return kvpress.AdaKVPress(press=make_press(kvpress, base, ratio, own_params=own_params))
@@ -255,6 +283,27 @@ class SharedPrefill:
             for h in hooks:
                 h.remove()
         return out.logits[0, -1], cache
+
+
+def kvzip_cache(model: Any, press: Any, input_ids: list[int], full: Any) -> tuple[list[Any], list[Any]]:
+    """What ``with press(model): model(input_ids)`` leaves for a KVzipPress, without a second prefill: the press's
+    own exit (reconstruction passes over the cache, then its masks) runs on a copy of the FullKV cache ``full`` of
+    ``input_ids``. Returns (per-layer keys/values, per-layer masks for :func:`head_masks`); the modules' masks are
+    cleared again."""
+    import torch
+
+    layers = language_model(model).layers
+    cache = cache_of([(k.clone(), v.clone()) for k, v in full_layers(full)])
+    try:
+        with torch.no_grad(), press(model):
+            # what the press's wrapper of the decoder's forward records during the prefill it replaces
+            press._context_ids = torch.tensor([input_ids])
+            press._cache = cache
+        masked = [layer.self_attn.masked_key_indices for layer in layers]
+    finally:
+        for layer in layers:
+            layer.self_attn.masked_key_indices = None
+    return full_layers(cache), masked
 
 
 @contextmanager
@@ -372,7 +421,7 @@ class KVPressCheck:
         for p in self.protocols:
             if p not in PROTOCOLS or p not in oc["protocols"]:
                 raise KVPressCheckError(f"protocol {p!r} is not in the eval run ({', '.join(oc['protocols'])})")
-        missing = [f"{m}@{b}" for m in methods for b in self.budgets if (m, b) not in ran]
+        missing = [f"{split_pair(m)[0]}@{b}" for m in methods for b in self.budgets if (split_pair(m)[0], b) not in ran]
         if missing:
             raise KVPressCheckError(f"the eval run has no task results for {', '.join(missing)}; choose --methods "
                                     "and --budgets it ran")
@@ -438,14 +487,18 @@ class KVPressCheck:
                 aware = protocol == "query-aware"
                 context = prompt.tokens if aware else prompt.part1
                 question = [] if aware else prompt.part2
-                presses = {(m, b): make_press(self.kvpress, m, ratio_for(b, len(context)),
+                presses = {(m, b): make_press(self.kvpress, m, ratio_for(b, len(context),
+                                                                       counts_pruned=press_name(m) == KVZIP_PRESS),
                                               own_params=self.cfg.kvpress_params)
                            for m in self.methods for b in self.budgets}
+                replayed = {k: p for k, p in presses.items() if isinstance(p, self.kvpress.KVzipPress)}
                 bar.set_postfix_str(f"{s.task} {protocol}")
                 t1 = time.time()
-                shared = SharedPrefill(self.hf, presses)
+                shared = SharedPrefill(self.hf, {k: p for k, p in presses.items() if k not in replayed})
                 logits, full = shared.run(context)
                 self.t_prefill += time.time() - t1
+                for key, press in replayed.items():
+                    shared.kept[key], shared.masked[key] = kvzip_cache(self.hf, press, context, full)
                 runs = [((FULLKV, None), full_layers(full))] + [(k, shared.kept[k]) for k in presses]
                 for (method, budget), layers in runs:
                     masked = shared.masked.get((method, budget))
@@ -453,7 +506,7 @@ class KVPressCheck:
                         toks = greedy_tokens(self.hf, cache_of(layers), len(context), first_logits=logits,
                                              question=question, max_new_tokens=s.max_new_tokens, stop=self._stop)
                         pred, n_gen = read_answer(toks, self.ev.model, s)
-                    ours = self.ours_by_key.get(self._key_of(s, protocol, method, budget))
+                    ours = self.ours_by_key.get(self._key_of(s, protocol, split_pair(method)[0], budget))
                     score = scoring.score(s.metric, pred, s.answers, meta=s.meta)
                     self.records.append({
                         "task": s.task, "length": s.length, "index": s.index, "protocol": protocol,
