@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -360,6 +361,10 @@ class Model:
         plan.validate(n_layer=self.n_layer)
         if prefill == "chunked":
             self._set_prefill_slack(plan_mod.chunked_prefill_slack(plan, prefill_slack))
+            if plan.allocation == "prompt":
+                warnings.warn("the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"), which needs "
+                              "the whole prompt: chunked prefill keeps the plan's budgets; use prefill=\"exact\" "
+                              "(--prefill-mode exact)", stacklevel=2)
         self._set_native_plan(plan.to_json(), kv_budget)
 
     def _set_prefill_slack(self, slack: float) -> None:

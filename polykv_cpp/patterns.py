@@ -55,7 +55,7 @@ __all__ = [
     "QueryStatistics", "query_statistics", "average_rotation",
     "PATTERNS", "PATTERN_NAMES", "get_pattern", "pattern_from_phase_plan", "keep_topk", "pool1d",
     "reduce_heads", "simulate", "simulate_heads", "SimResult", "softmax_causal", "select_adaptive", "adaptive_floor",
-    "adaptive_cap",
+    "adaptive_cap", "allocate_prompt", "allocated_decode_budget",
 ]
 
 
@@ -379,8 +379,9 @@ class KVzip(Pattern):
     reconstruction tokens before it; :func:`simulate` takes it as ``recon_attn``). The reconstruction tokens
     never stay in the cache. Prefill only: a decode phase cannot use it. Tokens that arrive after the pass
     (a question fed after the context) are unscored and kept first. Differences from kvpress: budgets are
-    the plan's, per layer (kvpress ranks every (layer, head, token) against one threshold, which a cache of
-    fixed per-layer sizes cannot follow), and the softmax spans the whole prompt, not only the chunk.
+    the plan's, per layer, unless the plan re-splits them per prompt (``"allocation": "prompt"``,
+    :func:`allocate_prompt`: kvpress's default ranks every (layer, head, token) against one threshold; ours
+    keeps ``b_min`` per layer first), and the softmax spans the whole prompt, not only the chunk.
     Limits: one extra pass over the prompt (about one more prefill); without it (chunked prefill) a kvzip
     layer keeps its sinks and its most recent tokens.
     """
@@ -761,6 +762,67 @@ def select_adaptive(scores: list[np.ndarray], budget: int) -> list[np.ndarray]:
         count[h] += 1
         left -= 1
     return [np.flatnonzero(k) for k in keep]
+
+
+def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_kv: list[int], b_min: int) -> list[int]:
+    """A plan's ``"allocation": "prompt"``: the budgets of the scored layers re-split for one prompt by their scores
+    across the whole model, KVzip's non-uniform allocation (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache
+    Compression with Context Reconstruction"; kvpress ``KVzipPress(layerwise=False)``), with a floor per layer.
+
+    ``scores[l]``: layer ``l``'s token sets as its pattern ranks them (protected tokens ``+inf``, oldest first,
+    as ``Pattern.scores(budget, ...)`` at the plan's budget): one array when the layer keeps one set for all its
+    ``n_head_kv[l]`` heads (each token counts ``n_head_kv[l]`` (head, token) pairs), or one per KV head (each
+    token counts one pair). The pool is the layers' ``sum(budgets[l] * n_head_kv[l])`` pairs. Every set first
+    keeps its best ``min(b_min, len)`` tokens; the best-scored of the other entries of every layer then fill the
+    rest of the pool (an entry that no longer fits is passed over). Ties: the entries are listed layer by layer,
+    set by set, oldest first, and a stable ascending sort is taken from the top. Returns each layer's new
+    budget, its pairs // ``n_head_kv[l]``: per KV head each head then keeps that many of its own (or, adaptive,
+    the layer splits them by :func:`select_adaptive`). Limits: scores of different layers compare as they are
+    (for KVzip the largest attention probability a reconstruction query gives a token, as the paper); a
+    pattern whose scores are not comparable across layers (key norms, H2O's sums over a prompt) allocates by
+    the same rule without that meaning.
+    """
+    if not (len(scores) == len(budgets) == len(n_head_kv)):
+        raise ValueError("allocate_prompt needs one score list, budget and head count per layer")
+    pool = sum(int(b) * int(h) for b, h in zip(budgets, n_head_kv))
+    taken = [0] * len(scores)
+    rest_score, rest_layer = [], []
+    for l, sets in enumerate(scores):
+        if len(sets) not in (1, n_head_kv[l]):
+            raise ValueError(f"layer {l}: one token set or one per KV head ({n_head_kv[l]}), got {len(sets)}")
+        unit = n_head_kv[l] if len(sets) == 1 else 1
+        for s in sets:
+            s = np.asarray(s, dtype=np.float64)
+            f = min(b_min, len(s))
+            top = np.zeros(len(s), dtype=bool)
+            top[np.argsort(s, kind="stable")[len(s) - f:]] = True
+            taken[l] += f * unit
+            rest_score.append(s[~top])
+            rest_layer.append(np.full(int((~top).sum()), l))
+    left = pool - sum(taken)
+    flat = np.concatenate(rest_score) if rest_score else np.zeros(0)
+    layer_of = np.concatenate(rest_layer) if rest_layer else np.zeros(0, dtype=int)
+    for j in np.argsort(flat, kind="stable")[::-1]:
+        if left <= 0:
+            break
+        l = int(layer_of[j])
+        unit = n_head_kv[l] if len(scores[l]) == 1 else 1
+        if unit > left:
+            continue
+        taken[l] += unit
+        left -= unit
+    return [t // h for t, h in zip(taken, n_head_kv)]
+
+
+def allocated_decode_budget(plan_prefill: int, plan_decode: int | None, prefill: int) -> int | None:
+    """A layer's decode budget after :func:`allocate_prompt` gave its prefill ``prefill`` tokens instead of the
+    plan's ``plan_prefill``: the same when the plan gives both phases one budget, else scaled (at least 1); None
+    (FullKV decode) stays None."""
+    if plan_decode is None:
+        return None
+    if plan_decode == plan_prefill:
+        return prefill
+    return max(1, plan_decode * prefill // plan_prefill)
 
 
 def _simulate_adaptive(logits, n_prompt, n_head_kv, *, prefill, prefill_budget, decode, decode_budget, keys,

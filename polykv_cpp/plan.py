@@ -73,6 +73,8 @@ PLAN_FORMAT_VERSION = 1
 PLAN_FORMAT_NAME = "polykv-plan"
 #: how a plan merges tokens fed after its prompt was compressed (Plan.followup)
 FOLLOWUP_MODES = ("prefill", "decode")
+#: where the budgets of a plan's scored layers come from (Plan.allocation): the plan, or each prompt's scores
+ALLOCATION_MODES = ("plan", "prompt")
 #: patterns a plan may stream a chunked prompt by (Plan.stream): any that scores a prompt without the whole of it
 #: at once (not KVzip, whose pass needs the whole prompt) and evicts (not FullKV)
 STREAM_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm", "expected_attention")
@@ -541,6 +543,11 @@ class Plan:
             s x its prefill budget while a prompt streams and compresses to the budget when decoding starts).
             Used when neither the caller (``Model.set_plan(prefill_slack=...)``, ``--prefill-slack``) nor
             ``LLAMA_POLYKV_PREFILL_SLACK`` gives one, so that stock tools run the plan as measured. None: 1.
+        allocation: "plan" (the default): every layer keeps its plan budget. "prompt": exact prefill only; when a
+            prompt is compressed, the budgets of the layers with a scored prefill pattern (not sliding-window
+            ones) are re-split for that prompt by their scores across the model, KVzip's non-uniform allocation
+            (:func:`polykv_cpp.patterns.allocate_prompt`: same total, at least ``b_min`` per layer), and each
+            layer's cache shrinks to its share; the decode budgets follow. Chunked prefill keeps the plan's.
     """
 
     version: int
@@ -555,12 +562,13 @@ class Plan:
     followup: str = "prefill"
     stream: str | None = None
     prefill_slack: float | None = None
+    allocation: str = "plan"
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the v1 schema; ``followup``, ``stream`` and ``prefill_slack`` only when they are not
-        the default)."""
+        """JSON-ready dict (the v1 schema; ``followup``, ``stream``, ``prefill_slack`` and ``allocation`` only when
+        they are not the default)."""
         d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
@@ -579,6 +587,8 @@ class Plan:
             d["stream"] = self.stream
         if self.prefill_slack is not None:
             d["prefill_slack"] = self.prefill_slack
+        if self.allocation != "plan":
+            d["allocation"] = self.allocation
         return d
 
     @classmethod
@@ -597,7 +607,7 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "followup", "stream", "prefill_slack", "layers", "provenance"}
+                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "layers", "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -625,6 +635,9 @@ class Plan:
         slack = d.get("prefill_slack")
         if "prefill_slack" in d and not _is_slack(slack):
             raise PlanError(f"plan: 'prefill_slack' must be a number from 1 to {MAX_PREFILL_SLACK:g} (got {slack!r})")
+        allocation = d.get("allocation", "plan")
+        if allocation not in ALLOCATION_MODES:
+            raise PlanError(f"plan: 'allocation' must be one of {', '.join(ALLOCATION_MODES)} (got {allocation!r})")
         layers = d.get("layers")
         if not isinstance(layers, list):
             raise PlanError("plan: 'layers' must be a list")
@@ -634,6 +647,7 @@ class Plan:
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
             exact_total=exact, full_charge=fc, followup=followup, stream=stream, prefill_slack=slack,
+            allocation=allocation,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -714,6 +728,8 @@ class Plan:
             parts.append(f"prefill slack {self.prefill_slack:g}")
         if self.followup != "prefill":
             parts.append(f"follow-ups by the {self.followup} pattern")
+        if self.allocation != "plan":
+            parts.append("budgets re-split per prompt by its scores")
         m = self.provenance.model
         if m is not None and (m.name or m.arch):
             parts.append(f"model: {m.name or m.arch}")
@@ -769,6 +785,8 @@ class Plan:
         if self.prefill_slack is not None and not _is_slack(self.prefill_slack):
             raise PlanError(f"prefill_slack must be a number from 1 to {MAX_PREFILL_SLACK:g} or None "
                             f"(got {self.prefill_slack!r})")
+        if self.allocation not in ALLOCATION_MODES:
+            raise PlanError(f"allocation must be one of {', '.join(ALLOCATION_MODES)} (got {self.allocation!r})")
 
         for lp in self.layers:
             scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
@@ -898,7 +916,7 @@ class Plan:
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
                     full_charge=charge, followup=self.followup, stream=self.stream,
-                    prefill_slack=self.prefill_slack)
+                    prefill_slack=self.prefill_slack, allocation=self.allocation)
 
 
 def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) -> float:
@@ -1011,7 +1029,7 @@ def _phase(pattern: str, budget: int | None, params: Mapping[str, Any], selectio
 
 def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str | None = None,
                  b_min: int | None = None, provenance: Provenance | None = None, selection: str = "layer",
-                 **params: Any) -> Plan:
+                 allocation: str = "plan", **params: Any) -> Plan:
     """Every layer and both phases use ``pattern`` with ``budget`` tokens (the single-pattern baselines).
 
     ``params`` (n_sink, window, obs_window, pool_kernel) override :data:`DEFAULT_PARAMS` of the pattern.
@@ -1020,6 +1038,7 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     ``budget``: it becomes ``budget_avg`` and ``full_charge``. ``b_min`` defaults to the tokens the patterns
     always keep (``n_sink + window``), so that :meth:`Plan.scaled` keeps a uniform plan uniform.
     ``selection="head"``: each KV head keeps its own ``budget`` tokens (score-based patterns).
+    ``allocation="prompt"``: ``budget`` is the average; each prompt's scores split the total (:attr:`Plan.allocation`).
     """
     if not _is_int(n_layer) or n_layer < 1:
         raise PlanError(f"n_layer must be a positive integer (got {n_layer!r})")
@@ -1039,7 +1058,7 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     plan = Plan(version=PLAN_FORMAT_VERSION, n_layer=n_layer, budget_avg=budget,
                 b_min=b_min, budget_rule="uniform", layers=layers,
                 provenance=provenance or Provenance.now(), exact_total=True,
-                full_charge=budget if has_full else None)
+                full_charge=budget if has_full else None, allocation=allocation)
     return plan.validate()
 
 

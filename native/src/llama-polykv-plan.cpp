@@ -258,7 +258,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "followup", "stream", "prefill_slack", "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -296,6 +296,13 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
                 throw std::runtime_error("plan: 'prefill_slack' must be a number from 1 to 1e6 (got " + f.dump() + ")");
             }
             plan.prefill_slack = (float) f.get<double>();
+        }
+        if (doc.contains("allocation")) {
+            const auto & f = doc.at("allocation");
+            if (!f.is_string() || (f.get<std::string>() != "plan" && f.get<std::string>() != "prompt")) {
+                throw std::runtime_error("plan: 'allocation' must be one of plan, prompt (got " + f.dump() + ")");
+            }
+            plan.allocation_prompt = f.get<std::string>() == "prompt";
         }
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");

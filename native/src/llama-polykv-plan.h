@@ -78,6 +78,10 @@ struct llama_polykv_plan {
     // "prefill_slack": the slack chunked prefill takes when neither the caller (llama_polykv_set_model_prefill_slack)
     // nor LLAMA_POLYKV_PREFILL_SLACK sets one (>= 1); 0: none given (slack 1)
     float    prefill_slack = 0.0f;
+    // "allocation": "prompt": exact prefill re-splits the budgets of the scored layers for each prompt by their
+    // scores across the model when it compresses the prompt (KVzip's non-uniform allocation; llama_kv_cache_poly::
+    // allocate_prompt); false ("plan", the default): every layer keeps its plan budget
+    bool     allocation_prompt = false;
 
     std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
 };

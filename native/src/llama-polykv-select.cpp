@@ -395,6 +395,110 @@ static std::vector<std::vector<uint32_t>> select_drop_adaptive(const llama_kv_ca
     return drop;
 }
 
+void llama_kv_cache_poly::restore_plan_budgets() {
+    for (auto & grp : groups) {
+        grp.phase[0].budget = grp.plan_budget[0];
+        grp.phase[1].budget = grp.plan_budget[1];
+    }
+}
+
+// as polykv_cpp.patterns.allocate_prompt: the pool of the candidate layers' budgets, in (head, token) pairs; every
+// token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest
+void llama_kv_cache_poly::allocate_prompt() {
+    restore_plan_budgets();
+    struct entry {
+        double  score;
+        int32_t k; // candidate index
+    };
+    std::vector<uint32_t> cand;
+    for (uint32_t g = 0; g < groups.size(); ++g) {
+        const auto & pp = groups[g].phase[LLAMA_POLYKV_PHASE_PREFILL];
+        const bool scored = pp.needs_scores() || pp.pattern == LLAMA_POLYKV_KNORM;
+        if (scored && pp.budget >= 0 && !groups[g].is_swa && groups[g].layers.size() == 1) {
+            cand.push_back(g);
+        }
+    }
+    int64_t pool = 0;
+    std::vector<int64_t> taken(cand.size(), 0);
+    std::vector<int64_t> unit(cand.size(), 1);
+    std::vector<entry> rest;
+    for (size_t k = 0; k < cand.size(); ++k) {
+        group & grp = groups[cand[k]];
+        const auto & pp = grp.phase[LLAMA_POLYKV_PHASE_PREFILL];
+        if (pp.pattern == LLAMA_POLYKV_EXPECTED_ATTENTION) {
+            score_expected_attention(grp);
+        }
+        pool += (int64_t) pp.budget * grp.n_head_kv;
+        unit[k] = grp.per_head ? 1 : grp.n_head_kv;
+        std::vector<std::vector<std::pair<llama_pos, uint32_t>>> sets;
+        std::vector<size_t> offs;
+        if (grp.per_head) {
+            for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+                sets.emplace_back();
+                for (uint32_t c = 0; c < grp.capacity; ++c) {
+                    const llama_pos p = grp.hpos[(size_t) h*grp.capacity + c];
+                    if (p >= 0) {
+                        sets.back().emplace_back(p, c);
+                    }
+                }
+                std::sort(sets.back().begin(), sets.back().end());
+                offs.push_back(grp.head_off(h));
+            }
+        } else {
+            sets.emplace_back();
+            const auto & cells = grp.kv->get_cells(0);
+            for (uint32_t c = 0; c < cells.size(); ++c) {
+                if (!cells.is_empty(c)) {
+                    sets.back().emplace_back(cells.pos_get(c), c);
+                }
+            }
+            std::sort(sets.back().begin(), sets.back().end());
+            offs.push_back(0);
+        }
+        for (size_t s = 0; s < sets.size(); ++s) {
+            const std::vector<double> sc = ranked_scores(grp, pp, sets[s], offs[s]);
+            const int32_t n = (int32_t) sc.size();
+            const int32_t f = std::min(plan.b_min, n);
+            const std::vector<int32_t> order = ascending(sc);
+            std::vector<char> top(n, 0);
+            for (int32_t i = n - f; i < n; ++i) {
+                top[order[i]] = 1;
+            }
+            taken[k] += (int64_t) f * unit[k];
+            for (int32_t i = 0; i < n; ++i) {
+                if (!top[i]) {
+                    rest.push_back({ sc[i], (int32_t) k });
+                }
+            }
+        }
+    }
+    int64_t left = pool;
+    for (int64_t t : taken) {
+        left -= t;
+    }
+    // listed layer by layer, set by set, oldest first: a stable ascending sort taken from the top prefers, among
+    // ties, the later layer, head and token
+    std::stable_sort(rest.begin(), rest.end(), [](const entry & a, const entry & b) { return a.score < b.score; });
+    for (auto it = rest.rbegin(); it != rest.rend() && left > 0; ++it) {
+        if (unit[it->k] > left) {
+            continue;
+        }
+        taken[it->k] += unit[it->k];
+        left -= unit[it->k];
+    }
+    for (size_t k = 0; k < cand.size(); ++k) {
+        group & grp = groups[cand[k]];
+        const int32_t b_plan = grp.plan_budget[LLAMA_POLYKV_PHASE_PREFILL];
+        const int32_t b_new  = (int32_t) (taken[k] / grp.n_head_kv);
+        grp.phase[LLAMA_POLYKV_PHASE_PREFILL].budget = b_new;
+        auto & dec = grp.phase[LLAMA_POLYKV_PHASE_DECODE];
+        const int32_t d_plan = grp.plan_budget[LLAMA_POLYKV_PHASE_DECODE];
+        if (dec.pattern != LLAMA_POLYKV_FULLKV && d_plan >= 0) {
+            dec.budget = d_plan == b_plan ? b_new : std::max<int32_t>(1, (int32_t) ((int64_t) d_plan * b_new / b_plan));
+        }
+    }
+}
+
 void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
     if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
         return; // a FullKV sliding-window group behaves exactly as the stock SWA cache (it recycles masked cells)

@@ -209,6 +209,13 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         groups[g_found].layers.push_back(il);
         layer_group[il] = g_found;
     }
+    for (auto & grp : groups) {
+        grp.plan_budget = { grp.phase[0].budget, grp.phase[1].budget };
+    }
+    if (plan.allocation_prompt && !prefill_exact) {
+        LLAMA_LOG_WARN("%s: PolyKV: the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"), which needs "
+                       "the whole prompt (exact prefill); chunked prefill keeps the plan's budgets\n", __func__);
+    }
 
     for (size_t g = 0; g < groups.size(); ++g) {
         auto & grp = groups[g];
@@ -361,6 +368,7 @@ void llama_kv_cache_poly::clear(bool data) {
         std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
         grp.ring.clear();
     }
+    restore_plan_budgets();
     kvzip_scored = false;
     prompt_done = false;
     pos_next = 0;
@@ -562,6 +570,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
     kvzip_scored = false; // a state carries no reconstruction scores: run the pass after loading it
+    restore_plan_budgets(); // a state saved after a per-prompt allocation names capacities the plan has not: refused below
     for (uint32_t g = 0; g < groups.size(); ++g) {
         auto & grp = groups[g];
         uint32_t cap = 0;
@@ -571,7 +580,8 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
             reset_capacity(grp, cap);
         }
         if (cap != grp.capacity) {
-            throw std::runtime_error("PolyKV: the saved state has different cache sizes (plan, budget or context size changed)");
+            throw std::runtime_error(std::string("PolyKV: the saved state has different cache sizes (plan, budget or context size changed") +
+                                     (plan.allocation_prompt ? "; a plan with per-prompt budgets restores states saved before the compression only)" : ")"));
         }
         grp.kv->state_read(io, seq_id, flags);
 
@@ -824,6 +834,9 @@ llama_polykv_phase_plan llama_kv_cache_poly::stream_phase(const group & grp) con
 
 uint64_t llama_kv_cache_poly::compress_prompt() {
     uint64_t n_freed = 0;
+    if (plan.allocation_prompt && prefill_exact && !prompt_done) {
+        allocate_prompt();
+    }
     for (auto & grp : groups) {
         warn_kvzip_unscored(grp);
         const uint64_t n0 = grp.n_evicted;

@@ -103,6 +103,9 @@ public:
         bool is_swa = false; // sliding-window layers: the window masks, eviction may shrink further
         bool collect_all = false; // portable prefill: keep the score state of every pattern
 
+        // the budgets the plan gives the group's phases; "allocation": "prompt" changes phase[].budget per prompt
+        std::array<int32_t, 2> plan_budget = { -1, -1 };
+
         // the pattern this group evicts by while a chunked prompt streams (plan "stream"), -1: its prefill pattern
         int32_t stream = -1;
         // the prefill phase with the stream pattern (its budget, sinks, windows, kernel and selection)
@@ -295,6 +298,13 @@ private:
     // KVzip: fold the rows of a reconstruction ubatch into zmax (max over the rows)
     void read_kvzip(group & grp);
     void warn_kvzip_unscored(const group & grp);
+    // "allocation": "prompt" (exact modes, the prompt's first compression): the budgets of the groups with a scored
+    // prefill pattern (not sliding-window ones) re-split by their scores across the model, as
+    // polykv_cpp.patterns.allocate_prompt (KVzip's non-uniform allocation, with b_min per layer); the decode budgets
+    // follow (allocated_decode_budget)
+    void allocate_prompt();
+    // every group back to the plan's budgets (a new prompt, a cleared or restored cache)
+    void restore_plan_budgets();
     // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
     // kept tokens are spread over n_ctx cells, and attention would still span all of them)
     void compact(group & grp);

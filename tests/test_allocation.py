@@ -1,0 +1,182 @@
+"""Per-prompt budgets (`"allocation": "prompt"`): the scored layers' budgets re-split for each prompt by their
+scores across the model (KVzip's non-uniform allocation), natively as in `polykv_cpp.patterns.allocate_prompt`.
+
+The reference scores each layer's tokens (or each KV head's) on transformers' attention of the same weights, as the
+pattern ranks them at the plan's budget; the allocation gives each layer its budget for this prompt; the kept
+positions after the compression and after each decode step equal `simulate` at that budget, every KV head."""
+
+import numpy as np
+import pytest
+
+from polykv_cpp import plan as plan_mod
+from polykv_cpp.api import Model
+from polykv_cpp.errors import PlanError
+from polykv_cpp.patterns import (allocate_prompt, allocated_decode_budget, pattern_from_phase_plan, simulate,
+                                 softmax_causal)
+from test_kvzip import CHUNK, PREFIX, recon_attn  # noqa: F401
+from test_per_head import decode_recording
+from test_polykv_native import CFG, N, P, PHASE_PARAMS, hf_reference, tokens, twin  # noqa: F401
+
+torch = pytest.importorskip("torch")
+
+B = 16      # the plan's budget of every layer (of the 40-token prompt)
+B_MIN = 4
+R = CFG.n_head // CFG.n_head_kv
+
+
+# ------------------------------------------------------------------------------------------ the reference rule
+
+def test_floors_first_then_the_best_scores_of_every_layer():
+    # layer 0 holds the pool's best tokens, layer 1 only its floor of 2
+    s0 = np.array([9.0, 8.0, 7.0, 6.0, 0.1])
+    s1 = np.array([0.05, 0.04, 0.03, 0.02, 0.0])
+    assert allocate_prompt([[s0], [s1]], [3, 3], [1, 1], b_min=2) == [4, 2]
+    # b_min 0: nothing is reserved, the six best go where they are
+    assert allocate_prompt([[s0], [s1]], [3, 3], [1, 1], b_min=0) == [5, 1]
+    # protected tokens (+inf) rank first wherever they are
+    s1p = s1.copy()
+    s1p[-2:] = np.inf
+    assert allocate_prompt([[s0], [s1p]], [3, 3], [1, 1], b_min=0) == [4, 2]
+    # the total is kept, and no layer gets more than its tokens
+    assert allocate_prompt([[s0], [s1]], [5, 3], [1, 1], b_min=0) == [5, 3]
+
+
+def test_a_layer_set_counts_every_head_and_head_sets_count_one_pair_each():
+    # two KV heads: layer 0 keeps one set (each token = 2 pairs), layer 1 one set per head
+    l0 = [np.array([1.0, 0.9, 0.8, 0.7])]
+    l1 = [np.array([5.0, 0.0, 0.0, 0.0]), np.array([4.0, 3.0, 0.0, 0.0])]
+    # pool 2 x (2 + 2) = 8 pairs: floors 1 token = 2 pairs (layer 0), 1 per head (layer 1); the rest by score:
+    # 3.0 (layer 1, head 1), then 0.9 (2 pairs, layer 0); the last pair cannot take layer 0's 0.8 (2 pairs) and goes
+    # to layer 1's best remaining 0.0: 4 pairs each, 2 tokens per head each
+    assert allocate_prompt([l0, l1], [2, 2], [2, 2], b_min=1) == [2, 2]
+    # without the 3.0 layer 0 takes 0.9 and 0.8: 6 pairs, 3 tokens; layer 1 keeps its floors, 1 per head
+    l1 = [np.array([5.0, 0.0, 0.0, 0.0]), np.array([4.0, 0.0, 0.0, 0.0])]
+    assert allocate_prompt([l0, l1], [2, 2], [2, 2], b_min=1) == [3, 1]
+    with pytest.raises(ValueError, match="one token set or one per KV head"):
+        allocate_prompt([l0, [l1[0]] * 3], [2, 2], [2, 2], b_min=1)
+
+
+def test_ties_go_to_the_later_layer_and_the_more_recent_token():
+    s = np.ones(4)
+    assert allocate_prompt([[s], [s]], [2, 2], [1, 1], b_min=0) == [0, 4]
+
+
+def test_decode_budgets_follow():
+    assert allocated_decode_budget(64, 64, 100) == 100
+    assert allocated_decode_budget(64, 32, 100) == 50
+    assert allocated_decode_budget(64, 32, 1) == 1
+    assert allocated_decode_budget(64, None, 100) is None
+
+
+def test_the_plan_key():
+    p = plan_mod.uniform_plan(4, "kvzip", 64, selection="head", allocation="prompt")
+    assert p.allocation == "prompt" and p.to_dict()["allocation"] == "prompt"
+    assert "re-split per prompt" in p.summary()
+    assert plan_mod.Plan.from_json(p.to_json()).allocation == "prompt"
+    assert p.scaled(32).allocation == "prompt"
+    assert "allocation" not in plan_mod.uniform_plan(4, "kvzip", 64).to_dict()
+    d = p.to_dict()
+    d["allocation"] = "layer"
+    with pytest.raises(PlanError, match="'allocation' must be one of plan, prompt"):
+        plan_mod.Plan.from_dict(d)
+
+
+# ------------------------------------------------------------------------------------------ native = reference
+
+def alloc_plan(pattern: str, selections: tuple[str, str]) -> plan_mod.Plan:
+    """Every layer: `pattern` prefill at B (selection per layer), SnapKV decode at B; budgets per prompt."""
+    layers = []
+    for il, sel in enumerate(selections):
+        if pattern == "kvzip":
+            pre = plan_mod.PhasePlan("kvzip", budget=B, n_sink=1, window=2, selection=sel)
+        else:
+            pre = plan_mod.PhasePlan(pattern, budget=B, selection=sel, **PHASE_PARAMS[pattern])
+        dec = plan_mod.PhasePlan("snapkv", budget=B, selection=sel, **PHASE_PARAMS["snapkv"])
+        layers.append(plan_mod.LayerPlan(il, pre, dec))
+    return plan_mod.Plan(version=1, n_layer=CFG.n_layer, budget_avg=B, b_min=B_MIN, budget_rule="test",
+                         layers=layers, allocation="prompt").validate()
+
+
+def reference(hf_ref, recon, plan):
+    """Per layer: its budget for this prompt and one SimResult per KV head."""
+    sets, patterns = [], []
+    for il, lp in enumerate(plan.layers):
+        pre = pattern_from_phase_plan(lp.prefill)
+        logp = hf_ref[il][0]
+        rows = recon[il] if pre.name == "kvzip" else softmax_causal(logp[:, :P, :P])
+        per_head = lp.prefill.selection == "head"
+        groups = [rows[h * R:(h + 1) * R] for h in range(CFG.n_head_kv)] if per_head else [rows]
+        sets.append([pre.scores(B, P, attn=g) for g in groups])
+        patterns.append(pre)
+    budgets = allocate_prompt(sets, [B] * CFG.n_layer, [CFG.n_head_kv] * CFG.n_layer, B_MIN)
+    out = []
+    for il, lp in enumerate(plan.layers):
+        logp, keys = hf_ref[il]
+        dec = pattern_from_phase_plan(lp.decode)
+        kw = dict(prefill=patterns[il], prefill_budget=budgets[il], decode=dec,
+                  decode_budget=allocated_decode_budget(B, B, budgets[il]))
+        if lp.prefill.selection == "head":
+            sims = [simulate(logp[h * R:(h + 1) * R], P, recon_attn=recon[il][h * R:(h + 1) * R], **kw)
+                    for h in range(CFG.n_head_kv)]
+        else:
+            sims = [simulate(logp, P, recon_attn=recon[il], **kw)] * CFG.n_head_kv
+        out.append(sims)
+    return budgets, out
+
+
+@pytest.mark.parametrize("pattern", ["kvzip", "snapkv"])
+@pytest.mark.parametrize("selections", [("layer", "layer"), ("head", "head"), ("layer", "head")])
+def test_kept_positions_equal_the_reference_at_the_allocated_budgets(twin, tokens, hf_reference, recon_attn,
+                                                                      pattern, selections):
+    _, path = twin
+    plan = alloc_plan(pattern, selections)
+    budgets, ref = reference(hf_reference, recon_attn, plan)
+    # this prompt moves tokens; a per-head layer's odd pair is lost in pairs // n_head_kv
+    assert B * CFG.n_layer - CFG.n_layer < sum(budgets) <= B * CFG.n_layer and budgets != [B] * CFG.n_layer
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        with model.context(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off") as ctx:
+            ctx.decode(tokens[:P])
+            if pattern == "kvzip":
+                ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            else:
+                ctx.compress_prompt()
+            stats = ctx.kv_layer_stats()
+            kept = [[[ctx.kept_positions(il, h) for h in range(CFG.n_head_kv)] for il in range(CFG.n_layer)]]
+            for t in tokens[P:]:
+                ctx.decode([t])
+                kept.append([[ctx.kept_positions(il, h) for h in range(CFG.n_head_kv)]
+                             for il in range(CFG.n_layer)])
+    for il in range(CFG.n_layer):
+        assert stats[il].budget_prefill == stats[il].budget_decode == budgets[il]
+        for h in range(CFG.n_head_kv):
+            assert kept[0][il][h] == ref[il][h].prefill_kept.tolist(), f"layer {il} head {h} after the compression"
+    # decode: layer 0 only; a later layer's queries come from hidden states that layer 0's eviction changed, which
+    # transformers' full-attention reference does not see
+    for h in range(CFG.n_head_kv):
+        for step in range(N):
+            assert kept[step + 1][0][h] == ref[0][h].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
+
+
+def test_budgets_return_to_the_plan_for_the_next_prompt_and_chunked_keeps_them(twin, tokens):
+    _, path = twin
+    plan = alloc_plan("kvzip", ("head", "head"))
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        with model.context(n_ctx=256, type_k="f32", type_v="f32") as ctx:
+            ctx.decode(tokens[:P])
+            ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            moved = [s.budget_prefill for s in ctx.kv_layer_stats()]
+            assert moved != [B, B] and sum(moved) == 2 * B
+            ctx.clear()
+            assert [s.budget_prefill for s in ctx.kv_layer_stats()] == [B, B]
+            ctx.decode(tokens[:P])
+            ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            assert [s.budget_prefill for s in ctx.kv_layer_stats()] == moved
+        with pytest.warns(UserWarning, match="chunked prefill keeps the plan's budgets"):
+            model.set_plan(plan_mod.Plan.from_dict({**plan.to_dict(), "layers": [
+                {**lp, "prefill": {**lp["prefill"], "pattern": "snapkv", "obs_window": 6, "pool_kernel": 3}}
+                for lp in plan.to_dict()["layers"]]}), prefill="chunked")
+        with model.context(n_ctx=256, n_ubatch=16, n_batch=16) as ctx:
+            ctx.decode(tokens[:P])
+            assert [s.budget_prefill for s in ctx.kv_layer_stats()] == [B, B]
