@@ -72,7 +72,7 @@ __all__ = [
 PLAN_FORMAT_VERSION = 1
 PLAN_FORMAT_NAME = "polykv-plan"
 #: how a plan merges tokens fed after its prompt was compressed (Plan.followup)
-FOLLOWUP_MODES = ("prefill", "decode")
+FOLLOWUP_MODES = ("prefill", "decode", "keep")
 #: where the budgets of a plan's scored layers come from (Plan.allocation): the plan, or each prompt's scores
 ALLOCATION_MODES = ("plan", "prompt")
 #: patterns a plan may stream a chunked prompt by (Plan.stream): any that scores a prompt without the whole of it
@@ -533,7 +533,9 @@ class Plan:
         followup: how tokens fed after the prompt was compressed (a question after a compressed document, the
             next turn of a chat) are merged into the cache: "prefill" (the default) compresses them with the
             prefill pattern like the first prompt; "decode" with each layer's decode pattern at its prefill
-            budget, so a SnapKV decode pattern chooses by what the new text (the question) attends to.
+            budget, so a SnapKV decode pattern chooses by what the new text (the question) attends to; "keep":
+            never evicted, the caches grow by them (the budget bounds the compressed context; the question and
+            the answer come on top, as kvpress's pipeline compresses the context only).
         stream: chunked prefill only: a pattern of :data:`STREAM_PATTERNS` by which every layer with a scored
             prefill pattern evicts while a prompt streams (before each new prompt ubatch, at the prefill budget
             times the slack, with the layer's sinks, windows, kernel and selection), so that the prompt's last
@@ -726,7 +728,9 @@ class Plan:
             parts.append(f"streams by {self.stream}")
         if self.prefill_slack is not None:
             parts.append(f"prefill slack {self.prefill_slack:g}")
-        if self.followup != "prefill":
+        if self.followup == "keep":
+            parts.append("follow-ups kept (the cache grows by them)")
+        elif self.followup != "prefill":
             parts.append(f"follow-ups by the {self.followup} pattern")
         if self.allocation != "plan":
             parts.append("budgets re-split per prompt by its scores")

@@ -106,6 +106,7 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
         "unicode pattern name": mutated(layer0_pattern="snäpkv\u202e"),
         "wrong layer count (3 for a 2-layer model)": uniform_plan(3, "snapkv", 48).to_json(),
         "unknown key": mutated(colour="red"),
+        "`allocation` neither plan nor prompt": mutated(allocation="everywhere"),
         "empty file": "",
     }
     names = list(plans)

@@ -88,3 +88,60 @@ def test_a_question_after_the_compression_is_merged_by_the_decode_pattern(path, 
     for layer in got:  # every head (or the layer) keeps its budget
         for k in layer[1:] if selection == "head" else layer:
             assert len(k) == BUDGET
+
+
+@pytest.mark.parametrize("prefill_mode", ["exact", "chunked"])
+@pytest.mark.parametrize("selection", ["layer", "head"])
+def test_keep_never_evicts_what_comes_after_the_compression_and_grows_the_cache(path, prefill_mode, selection):
+    """followup "keep": the compressed document stays as it was compressed; the question and every generated token
+    are kept, the caches growing one ubatch of room at a time (as kvpress's pipeline: the budget bounds the
+    context). Exact prefill: the logits equal those of a plan whose decode phase is FullKV with follow-ups merged by
+    it (the same kept sets in caches of n_ctx cells)."""
+    rng = np.random.default_rng(6)
+    doc = [int(t) for t in rng.integers(3, CFG.n_vocab, size=200)]
+    question = [int(t) for t in rng.integers(3, CFG.n_vocab, size=30)]
+    answer = [int(t) for t in rng.integers(3, CFG.n_vocab, size=70)]
+    heads = [None] + (list(range(CFG.n_head_kv)) if selection == "head" else [])
+    kw = dict(n_ctx=512, n_batch=512, n_ubatch=32)
+    with Model(path) as model:
+        model.set_plan(plan("snapkv", "keep", selection), prefill=prefill_mode)
+        assert "follow-ups kept" in plan("snapkv", "keep", selection).summary()
+        with model.context(**kw) as ctx:
+            ctx.decode(doc)
+            ctx.compress_prompt()
+            after_doc = kept(ctx, heads)
+            cap0 = [s.capacity for s in ctx.kv_layer_stats()]
+            ctx.decode(question)
+            for t in answer:  # longer than the room of one ubatch: the caches grow
+                ctx.decode([t])
+            got = kept(ctx, heads)
+            stats = ctx.kv_layer_stats()
+            logits = ctx.logits()
+        if prefill_mode == "exact":
+            full_decode = plan("snapkv", "decode", selection)
+            for lp in full_decode.layers:
+                lp.decode = replace(lp.decode, pattern="fullkv", budget=None, n_sink=0, window=None, obs_window=None,
+                                    pool_kernel=None, selection="layer")
+            model.set_plan(replace(full_decode, exact_total=False, full_charge=512), prefill="exact")
+            with model.context(**kw) as ctx:
+                ctx.decode(doc)
+                ctx.compress_prompt()
+                ctx.decode(question)
+                for t in answer:
+                    ctx.decode([t])
+                assert kept(ctx, heads) == got
+                np.testing.assert_allclose(ctx.logits(), logits, rtol=1e-5, atol=1e-5)
+                assert all(s.capacity == 512 for s in ctx.kv_layer_stats())
+    new = list(range(len(doc), len(doc) + len(question) + len(answer)))
+    for before, after in zip(after_doc, got):
+        for h, b, a in zip(heads, before, after):
+            assert a == b + new
+            if h is not None or selection == "layer":  # (per head, None is the union of the heads' sets)
+                assert len(b) == BUDGET
+    for s, c0 in zip(stats, cap0):  # (per head: cells hold one row of every head)
+        assert s.used == BUDGET + len(new) and c0 < s.capacity < 512  # grown by a ubatch of room, not to n_ctx
+    p = plan("snapkv", "prefill", selection)
+    bad = json.loads(p.to_json())
+    bad["followup"] = "forever"
+    with pytest.raises(PlanError, match="prefill, decode, keep"):
+        Plan.from_dict(bad)

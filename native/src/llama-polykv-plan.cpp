@@ -276,10 +276,11 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
         plan.full_charge = get_int(doc, "full_charge", -1, "plan", 1);
         if (doc.contains("followup")) {
             const auto & f = doc.at("followup");
-            if (!f.is_string() || (f.get<std::string>() != "prefill" && f.get<std::string>() != "decode")) {
-                throw std::runtime_error("plan: 'followup' must be one of prefill, decode (got " + f.dump() + ")");
+            if (!f.is_string() || (f.get<std::string>() != "prefill" && f.get<std::string>() != "decode" && f.get<std::string>() != "keep")) {
+                throw std::runtime_error("plan: 'followup' must be one of prefill, decode, keep (got " + f.dump() + ")");
             }
             plan.followup_decode = f.get<std::string>() == "decode";
+            plan.followup_keep   = f.get<std::string>() == "keep";
         }
         if (doc.contains("stream")) {
             const auto & f = doc.at("stream");

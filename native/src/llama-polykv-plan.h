@@ -71,6 +71,9 @@ struct llama_polykv_plan {
     // "followup": "decode": tokens fed after the prompt was compressed (a question, the next turn) are merged in by
     // each layer's decode pattern at its prefill budget; false ("prefill", the default): by the prefill pattern
     bool     followup_decode = false;
+    // "followup": "keep": tokens fed after the prompt was compressed (the question, the answer, a next turn) are never
+    // evicted: the caches grow by them, as kvpress's pipeline compresses the context only
+    bool     followup_keep = false;
     // "stream": a pattern (not fullkv, not kvzip): in chunked prefill, the layers whose prefill pattern is scored
     // evict by it while a prompt streams, before each new prompt ubatch, so that the prompt's last ubatch (the
     // question) reaches the prefill pattern whole, which compresses the prompt when decoding starts. -1: none

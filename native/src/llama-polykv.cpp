@@ -299,14 +299,28 @@ void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
     grp.ring.clear();
 }
 
-bool llama_kv_cache_poly::make_room(group & grp, uint32_t n_tokens) {
-    if (!prefill_exact || grp.capacity >= grp.capacity_max) {
-        return false;
-    }
+uint32_t llama_kv_cache_poly::n_used_cells(const group & grp) const {
     uint32_t n_used = 0;
     const auto & cells = grp.kv->get_cells(0);
     for (uint32_t i = 0; i < cells.size(); ++i) {
         n_used += !cells.is_empty(i);
+    }
+    return n_used;
+}
+
+bool llama_kv_cache_poly::make_room(group & grp, uint32_t n_tokens) {
+    const uint32_t n_used = n_used_cells(grp);
+    if (keeps_followups()) {
+        // kept follow-ups grow the group by what comes, one ubatch of room at a time, up to n_ctx
+        const uint32_t cap = std::min(n_ctx, pad_to(n_used + n_tokens + n_ubatch, grp.pad));
+        if (n_used + n_tokens > cap || cap <= grp.capacity) {
+            return false;
+        }
+        resize(grp, cap);
+        return true;
+    }
+    if (!prefill_exact || grp.capacity >= grp.capacity_max) {
+        return false;
     }
     if (n_used + n_tokens > grp.capacity_max) {
         return false;
@@ -717,6 +731,9 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
 
 llama_polykv_phase_plan llama_kv_cache_poly::prompt_phase(const group & grp) const {
     const auto & pre = grp.phase[LLAMA_POLYKV_PHASE_PREFILL];
+    if (keeps_followups()) {
+        return llama_polykv_phase_plan(); // FullKV: nothing fed after the compression is evicted
+    }
     if (!prompt_done || !plan.followup_decode || pre.pattern == LLAMA_POLYKV_FULLKV) {
         return pre;
     }
@@ -846,7 +863,8 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
             compact(grp);
         }
         // exact modes hold the whole prompt in n_ctx cells until now: give back what the plan no longer needs
-        const uint32_t cap = group_cells(grp, false);
+        // (kept follow-ups may hold more than the plan's budget)
+        const uint32_t cap = std::max(group_cells(grp, false), std::min(n_ctx, pad_to(n_used_cells(grp) + n_ubatch, grp.pad)));
         if (prefill_exact && cap < grp.capacity) {
             resize(grp, cap);
         }
@@ -935,7 +953,9 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
         if (decode) {
-            evict(grp, grp.phase[phase]);
+            if (!keeps_followups()) {
+                evict(grp, grp.phase[phase]);
+            }
         } else if (!prefill_exact && grp.stream < 0 && !probing) {
             warn_kvzip_unscored(grp);
             evict(grp, streaming_phase(prompt_phase(grp)));

@@ -274,6 +274,9 @@ private:
     bool probe_due    = false; // a prompt ubatch has not been evicted yet (no probe came after it so far)
 
     bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams || probing; }
+    // "followup": "keep" once the prompt was compressed: nothing is evicted any more, the groups grow instead
+    bool keeps_followups() const { return plan.followup_keep && prompt_done; }
+    uint32_t n_used_cells(const group & grp) const;
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
     // how a group compresses prompt tokens: the prefill phase, or for a follow-up under a "followup": "decode" plan
