@@ -341,6 +341,25 @@ class Model:
             raise PlanError(f"--kv-budget must be positive (got {kv_budget})")
         if kv_budget > 2**31 - 1:
             raise PlanError(f"--kv-budget {kv_budget} is larger than any context (at most 2^31 - 1 tokens)")
+        plan = self.resolve_plan(plan, use_gguf=use_gguf)
+        if plan is None:
+            if kv_budget:
+                raise PlanError("--kv-budget rescales a plan: give --plan FILE or --plan-from-gguf too")
+            self._set_native_plan("", 0)
+            return
+        if prefill == "chunked":
+            self._set_prefill_slack(plan_mod.chunked_prefill_slack(plan, prefill_slack))
+            if plan.allocation == "prompt":
+                warnings.warn("the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"), which needs "
+                              "the whole prompt: chunked prefill keeps the plan's budgets; use prefill=\"exact\" "
+                              "(--prefill-mode exact)", stacklevel=2)
+        self._set_native_plan(plan.to_json(), kv_budget)
+
+    def resolve_plan(self, plan=None, *, use_gguf: bool = False):
+        """The `polykv_cpp.plan.Plan` that `set_plan(plan, use_gguf=...)` would use, validated for this model (None:
+        no plan)."""
+        from polykv_cpp import plan as plan_mod
+
         if use_gguf:
             if plan is not None:
                 raise PlanError("give either a plan or use_gguf=True, not both")
@@ -350,22 +369,12 @@ class Model:
                                 "make one with `polykv-cpp calibrate` or pass --plan FILE")
             plan = plan_mod.Plan.from_json(text)
         elif plan is None:
-            if kv_budget:
-                raise PlanError("--kv-budget rescales a plan: give --plan FILE or --plan-from-gguf too")
-            self._set_native_plan("", 0)
-            return
+            return None
         if isinstance(plan, (str, os.PathLike)) and not (isinstance(plan, str) and plan.lstrip().startswith("{")):
             plan = plan_mod.load(plan)
         elif isinstance(plan, str):
             plan = plan_mod.Plan.from_json(plan)
-        plan.validate(n_layer=self.n_layer)
-        if prefill == "chunked":
-            self._set_prefill_slack(plan_mod.chunked_prefill_slack(plan, prefill_slack))
-            if plan.allocation == "prompt":
-                warnings.warn("the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"), which needs "
-                              "the whole prompt: chunked prefill keeps the plan's budgets; use prefill=\"exact\" "
-                              "(--prefill-mode exact)", stacklevel=2)
-        self._set_native_plan(plan.to_json(), kv_budget)
+        return plan.validate(n_layer=self.n_layer)
 
     def _set_prefill_slack(self, slack: float) -> None:
         self._lib.llama_polykv_set_model_prefill_slack(self.ptr, float(slack))

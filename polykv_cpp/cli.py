@@ -50,6 +50,7 @@ def _read_prompt(args) -> str:
 def cmd_run(args) -> int:
     from polykv_cpp import _native
     from polykv_cpp.api import Model
+    from polykv_cpp.plan import needs_whole_prompt
 
     if args.plan_from_gguf and args.plan:
         raise PolyKVError("give either --plan FILE or --plan-from-gguf, not both")
@@ -66,32 +67,41 @@ def cmd_run(args) -> int:
     t0 = time.perf_counter()
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
-        model.set_plan(args.plan, kv_budget=args.kv_budget or 0, use_gguf=args.plan_from_gguf,
-                       prefill=args.prefill_mode, prefill_slack=args.prefill_slack)
+        plan = model.resolve_plan(args.plan, use_gguf=args.plan_from_gguf)
+        mode = args.prefill_mode or ("exact" if needs_whole_prompt(plan) else "chunked")
+        model.set_plan(plan, kv_budget=args.kv_budget or 0, prefill=mode, prefill_slack=args.prefill_slack)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
                            type_v=args.cache_type_v) as ctx:
-            if args.chat:
-                prompt = model.chat_prompt([("user", prompt)])
-            tokens = model.tokenize(prompt)
+            context, question = split_question(model, prompt, args.question, args.chat)
+            tokens = model.tokenize(context)
+            q_tokens = model.tokenize(question, add_special=False, parse_special=True) if question else []
             if not args.no_echo:
-                sys.stdout.write(prompt)
+                sys.stdout.write(context + question)
                 sys.stdout.flush()
-            label = prefill_label(args.prefill_mode, model.prefill_slack)
-            gen_input = tokens
-            if any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats()):
-                if args.prefill_mode == "chunked":
-                    print("[polykv-cpp] warning: kvzip layers need --prefill-mode exact (their reconstruction pass "
-                          "scores the whole prompt); with chunked prefill they keep their sinks and the most recent "
-                          "tokens", file=sys.stderr)
-                else:
-                    ctx.decode(tokens)
-                    t_zip = time.perf_counter()
+            label = prefill_label(mode, model.prefill_slack)
+            if args.prefill_mode is None and mode == "exact":
+                label += " (the plan's KVzip pass or per-prompt budgets need the whole prompt)"
+            gen_input = tokens + q_tokens
+            kvzip = any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats())
+            if kvzip and mode == "chunked":
+                print("[polykv-cpp] warning: kvzip layers need --prefill-mode exact (their reconstruction pass "
+                      "scores the whole prompt); with chunked prefill they keep their sinks and the most recent "
+                      "tokens", file=sys.stderr)
+            elif kvzip or question:
+                # the prompt is compressed before anything else is read: the question, if any, comes after it
+                ctx.decode(tokens)
+                t_zip = time.perf_counter()
+                if kvzip:
                     ctx.compress_prompt_kvzip(tokens)
                     label += f", KVzip reconstruction pass {time.perf_counter() - t_zip:.1f} s"
-                    gen_input = []  # the prompt is in the cache; generation starts from its logits
+                elif ctx.polykv_active and (mode == "exact" or model.prefill_slack > 1):
+                    ctx.compress_prompt()  # (chunked prefill without slack compressed it while it streamed)
+                gen_input = q_tokens  # the prompt is in the cache; generation starts from its logits or the question
+            if question:
+                label += f", compressed before the question ({len(q_tokens)} tokens)"
             probe = None
-            if (args.prompt_probe and args.prefill_mode == "chunked" and ctx.polykv_active
+            if (args.prompt_probe and mode == "chunked" and ctx.polykv_active and not question
                     and len(gen_input) > ctx.n_ubatch - args.prompt_probe):
                 probe = gen_input[-args.prompt_probe:]
                 label += f", probed by the prompt's last {len(probe)} tokens"
@@ -103,6 +113,19 @@ def cmd_run(args) -> int:
             sys.stdout.flush()  # the answer before the summary, also when both streams go to one file
             print_summary(model, ctx, len(tokens), t_load, verbose_layers=args.verbose, prefill_mode=label)
     return 0
+
+
+def split_question(model, prompt: str, question: str | None, chat: bool) -> tuple[str, str]:
+    """The text to compress and the text fed after the compression. Without a question: the prompt (in the chat
+    template with `chat`) and nothing. With one (kvpress's pipeline: a context, then a question it did not see):
+    the prompt, then the question; with `chat` both are one user message, cut where the question starts."""
+    if not question:
+        return (model.chat_prompt([("user", prompt)]) if chat else prompt), ""
+    if not chat:
+        return prompt, "\n" + question
+    whole = model.chat_prompt([("user", prompt + "\n" + question)])
+    cut = whole.rfind(question)
+    return whole[:cut], whole[cut:]
 
 
 #: run's default probe: the prompt's last 32 tokens, SnapKV's observation window (docs/results.md: at 512 of 4K,
@@ -210,8 +233,14 @@ def add_run_parser(sub) -> None:
     p.add_argument("--plan-from-gguf", action="store_true", help="use the PolyKV plan stored in the model")
     p.add_argument("--plan", metavar="FILE", help="PolyKV plan (JSON sidecar or GGUF)")
     p.add_argument("--kv-budget", type=int, default=None, help="average KV tokens per layer")
-    p.add_argument("--prefill-mode", choices=["chunked", "exact"], default="chunked",
-                   help="chunked: evict after every ubatch (bounded memory); exact: compress the whole prompt once")
+    p.add_argument("--prefill-mode", choices=["chunked", "exact"], default=None,
+                   help="chunked: evict after every ubatch (bounded memory); exact: compress the whole prompt once. "
+                        "Default: exact for a plan with KVzip layers or per-prompt budgets (\"allocation\": "
+                        "\"prompt\"), which need the whole prompt, else chunked")
+    p.add_argument("--question", metavar="TEXT",
+                   help="a question fed after the prompt (-p/-f: the context) was compressed, as kvpress's pipeline "
+                        "does: the question cannot steer what is kept (query-agnostic; a chat's next turn); with "
+                        "--chat both are one user message")
     p.add_argument("--prefill-slack", type=float, default=None, metavar="S",
                    help="chunked: keep up to S x the prefill budget while the prompt streams, compress to the budget "
                         "when the answer starts (the question then scores the prompt); memory S x budget + ubatch. "

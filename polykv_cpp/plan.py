@@ -49,6 +49,7 @@ __all__ = [
     "KNOWN_PATTERNS",
     "PREFILL_ONLY_PATTERNS",
     "RECONSTRUCTION_PATTERNS",
+    "needs_whole_prompt",
     "FULLKV",
     "PHASES",
     "DEFAULT_PARAMS",
@@ -921,6 +922,14 @@ class Plan:
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
                     full_charge=charge, followup=self.followup, stream=self.stream,
                     prefill_slack=self.prefill_slack, allocation=self.allocation)
+
+
+def needs_whole_prompt(plan: "Plan | None") -> bool:
+    """True if `plan` chooses what to keep from the whole prompt at once: a KVzip layer (its reconstruction pass
+    reads the whole prompt again) or per-prompt budgets (``"allocation": "prompt"``). Chunked prefill cannot run
+    either; `polykv-cpp run` then defaults to exact prefill."""
+    return plan is not None and (plan.allocation == "prompt"
+                                 or any(lp.prefill.pattern in RECONSTRUCTION_PATTERNS for lp in plan.layers))
 
 
 def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) -> float:

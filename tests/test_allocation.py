@@ -180,3 +180,45 @@ def test_budgets_return_to_the_plan_for_the_next_prompt_and_chunked_keeps_them(t
         with model.context(n_ctx=256, n_ubatch=16, n_batch=16) as ctx:
             ctx.decode(tokens[:P])
             assert [s.budget_prefill for s in ctx.kv_layer_stats()] == [B, B]
+
+
+@pytest.mark.parametrize("selections", [("layer", "layer"), ("head", "head")])
+def test_a_state_saved_after_the_allocation_loads_at_its_budgets_and_goes_on_identically(twin, tokens, selections):
+    """The allocated budgets travel in the state: a fresh exact context of the same plan continues as the saved one
+    would have (kept sets and logits); a plan that does not allocate per prompt refuses the state."""
+    _, path = twin
+    plan = alloc_plan("snapkv", selections)
+    kw = dict(n_ctx=256, type_k="f32", type_v="f32")
+
+    def steps(ctx):
+        out = []
+        for t in tokens[P:]:
+            ctx.decode([t])
+            out.append(([[ctx.kept_positions(il, h) for h in range(CFG.n_head_kv)] for il in range(CFG.n_layer)],
+                        ctx.logits().copy()))
+        return out
+
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        with model.context(**kw) as ctx:
+            ctx.decode(tokens[:P])
+            ctx.compress_prompt()
+            stats = ctx.kv_layer_stats()
+            state = ctx.state_bytes()
+            want = steps(ctx)
+        budgets = [s.budget_prefill for s in stats]
+        assert budgets != [B] * CFG.n_layer  # this prompt moved tokens between the layers
+        with model.context(**kw) as ctx:
+            ctx.load_state_bytes(state)
+            loaded = ctx.kv_layer_stats()
+            assert [s.budget_prefill for s in loaded] == budgets
+            assert [s.capacity for s in loaded] == [s.capacity for s in stats]
+            got = steps(ctx)
+        for (k_want, l_want), (k_got, l_got) in zip(want, got):
+            assert k_got == k_want
+            np.testing.assert_allclose(l_got, l_want, rtol=0, atol=1e-6)
+        ctx_plan = plan_mod.Plan.from_dict({**plan.to_dict(), "allocation": "plan"})
+        model.set_plan(ctx_plan, prefill="exact")
+        with model.context(**kw) as ctx:
+            with pytest.raises(Exception, match="allocation"):
+                ctx.load_state_bytes(state)

@@ -226,3 +226,64 @@ def test_stock_tools_honour_plan_from_gguf_and_env(tiny_gguf, tmp_path):
         [str(bin_dir() / "llama-completion"), "-m", str(with_plan), "-p", "the cat", "-n", "2", "-no-cnv",
          "--no-warmup", "-c", "512", "-v"], timeout=120, env=dict(os.environ, LLAMA_POLYKV_DISABLE="1"))
     assert disabled.returncode == 0 and "PolyKV plan active" not in disabled.stderr
+
+
+def test_run_defaults_to_exact_prefill_for_a_plan_that_needs_the_whole_prompt(cli_exe, tiny_gguf, tmp_path):
+    """Per-prompt budgets (and KVzip) need the whole prompt: without --prefill-mode, run compresses it once and says
+    why; the answer equals --prefill-mode exact's; --prefill-mode chunked still streams (with the plan's budgets)."""
+    from polykv_cpp.plan import uniform_plan
+
+    sidecar = tmp_path / "plan.json"
+    sidecar.write_text(uniform_plan(2, "snapkv", 32, allocation="prompt", b_min=4).to_json())
+    run = ["run", tiny_gguf, "--plan", sidecar, "-p", "the cat and the dog " * 20, "-n", "6", "-c", "1024",
+           "-ub", "128", "--no-echo"]
+    auto = run_cli(cli_exe, *run)
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "; exact prefill (the plan's KVzip pass or per-prompt budgets need the whole prompt)" in auto.stderr
+    exact = run_cli(cli_exe, *run, "--prefill-mode", "exact")
+    assert exact.returncode == 0 and "; exact prefill" in exact.stderr and "need the whole prompt" not in exact.stderr
+    assert auto.stdout == exact.stdout and auto.stdout.strip()
+    chunked = run_cli(cli_exe, *run, "--prefill-mode", "chunked")
+    assert chunked.returncode == 0 and "; chunked prefill" in chunked.stderr, chunked.stderr[-2000:]
+    plain = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar.parent / "snap.json", "-p", "x", "-n", "1")
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr  # a missing plan file: a message
+
+
+@pytest.mark.parametrize("mode", ["exact", "chunked"])
+def test_run_question_is_read_after_the_prompt_was_compressed(cli_exe, tmp_path, mode):
+    """--question: the prompt is compressed first and the question fed after it (kvpress's pipeline), in the chat
+    template as one user message: the answer equals the API's decode(context); compress_prompt(); generate(question)
+    on the same two token lists; without a plan it equals FullKV on the same tokens."""
+    from polykv_cpp.api import Model
+    from polykv_cpp.cli import split_question
+    from polykv_cpp.plan import uniform_plan
+    from test_native import CHATML
+    from tiny_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tmp_path / "chat.gguf", extra_kv={"tokenizer.chat_template": CHATML})
+    sidecar = tmp_path / "plan.json"
+    plan = uniform_plan(2, "snapkv", 32)
+    sidecar.write_text(plan.to_json())
+    doc, question = "the cat and the dog " * 30, "where is the cat?"
+    kw = dict(n_ctx=1024, n_batch=128, n_ubatch=128)
+    args = ["run", path, "-p", doc, "--question", question, "--chat", "-n", "6", "-c", "1024", "-ub", "128",
+            "-b", "128", "--no-echo", "--prefill-mode", mode, "--prompt-probe", "0"]
+    proc = run_cli(cli_exe, *args, "--plan", sidecar)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "compressed before the question (" in proc.stderr
+    with Model(path) as model:
+        context, q = split_question(model, doc, question, chat=True)
+        assert context.startswith("<|im_start|>user\nthe cat") and q.startswith(question)
+        assert q.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        q_tokens = model.tokenize(q, add_special=False, parse_special=True)
+        outs = []
+        for p in (plan, None):
+            model.set_plan(p, prefill=mode)
+            with model.context(**kw) as ctx:
+                ctx.decode(model.tokenize(context))
+                if p is not None and mode == "exact":
+                    ctx.compress_prompt()
+                outs.append("".join(ctx.generate(q_tokens, max_tokens=6, temperature=0.0, stream=True)))
+    assert proc.stdout.rstrip("\n") == outs[0]
+    full = run_cli(cli_exe, *args)
+    assert full.returncode == 0 and full.stdout.rstrip("\n") == outs[1], full.stderr[-2000:]

@@ -145,3 +145,46 @@ def test_keep_never_evicts_what_comes_after_the_compression_and_grows_the_cache(
     bad["followup"] = "forever"
     with pytest.raises(PlanError, match="prefill, decode, keep"):
         Plan.from_dict(bad)
+
+
+@pytest.mark.parametrize("prefill_mode", ["exact", "chunked"])
+def test_a_state_saved_from_grown_caches_loads_at_their_sizes_and_goes_on_identically(path, prefill_mode):
+    """followup "keep": a state saved after the caches grew by the question and part of the answer loads into a
+    fresh context of the same plan at those sizes and continues as the saved one would have; a plan that does not
+    keep follow-ups refuses it."""
+    rng = np.random.default_rng(8)
+    doc = [int(t) for t in rng.integers(3, CFG.n_vocab, size=200)]
+    question = [int(t) for t in rng.integers(3, CFG.n_vocab, size=30)]
+    answer = [int(t) for t in rng.integers(3, CFG.n_vocab, size=60)]
+    kw = dict(n_ctx=512, n_batch=512, n_ubatch=32)
+    heads = [None, 0, 1]
+
+    def steps(ctx, toks):
+        out = []
+        for t in toks:
+            ctx.decode([t])
+            out.append((kept(ctx, heads), ctx.logits().copy()))
+        return out
+
+    with Model(path) as model:
+        model.set_plan(plan("snapkv", "keep", "head"), prefill=prefill_mode)
+        with model.context(**kw) as ctx:
+            ctx.decode(doc)
+            ctx.compress_prompt()
+            ctx.decode(question)
+            steps(ctx, answer[:40])  # past the first ubatch of room: grown
+            caps = [s.capacity for s in ctx.kv_layer_stats()]
+            state = ctx.state_bytes()
+            want = steps(ctx, answer[40:])
+        with model.context(**kw) as ctx:
+            ctx.load_state_bytes(state)
+            assert [s.capacity for s in ctx.kv_layer_stats()] == caps
+            got = steps(ctx, answer[40:])
+        assert all(BUDGET + len(question) + 40 <= c < 512 for c in caps)
+        for (k_want, l_want), (k_got, l_got) in zip(want, got):
+            assert k_got == k_want
+            np.testing.assert_allclose(l_got, l_want, rtol=0, atol=1e-6)
+        model.set_plan(plan("snapkv", "prefill", "head"), prefill=prefill_mode)
+        with model.context(**kw) as ctx:
+            with pytest.raises(Exception, match="different cache sizes"):
+                ctx.load_state_bytes(state)

@@ -221,8 +221,9 @@ def test_kvzip_misuse_is_reported(twin, tokens):
 
 
 def test_run_command_runs_the_reconstruction_pass(tmp_path, twin, cli_exe):
-    """`polykv-cpp run --prefill-mode exact` with a kvzip plan scores the prompt by the pass and says so; with
-    the default chunked prefill it warns that kvzip layers fall back to their sinks and recent tokens."""
+    """`polykv-cpp run` with a kvzip plan scores the prompt by the pass and says so (exact prefill: its default for
+    such a plan, the same answer as --prefill-mode exact); with --prefill-mode chunked it warns that kvzip layers
+    fall back to their sinks and recent tokens."""
     from conftest import run_cli
 
     _, path = twin
@@ -233,7 +234,12 @@ def test_run_command_runs_the_reconstruction_pass(tmp_path, twin, cli_exe):
                 "--no-echo", "-c", "512")
     assert r.returncode == 0, r.stderr
     assert "exact prefill, KVzip reconstruction pass" in r.stderr
-    r = run_cli(cli_exe, "run", path, "--plan", plan_path, "-p", prompt, "-n", "4", "--no-echo", "-c", "512")
+    auto = run_cli(cli_exe, "run", path, "--plan", plan_path, "-p", prompt, "-n", "4", "--no-echo", "-c", "512")
+    assert auto.returncode == 0, auto.stderr
+    assert "exact prefill (the plan's KVzip pass or per-prompt budgets need the whole prompt), KVzip" in auto.stderr
+    assert auto.stdout == r.stdout
+    r = run_cli(cli_exe, "run", path, "--plan", plan_path, "--prefill-mode", "chunked", "-p", prompt, "-n", "4",
+                "--no-echo", "-c", "512")
     assert r.returncode == 0, r.stderr
     assert "kvzip layers need --prefill-mode exact" in r.stderr
 

@@ -430,33 +430,8 @@ void llama_kv_cache_poly::allocate_prompt() {
         }
         pool += (int64_t) pp.budget * grp.n_head_kv;
         unit[k] = grp.per_head ? 1 : grp.n_head_kv;
-        std::vector<std::vector<std::pair<llama_pos, uint32_t>>> sets;
-        std::vector<size_t> offs;
-        if (grp.per_head) {
-            for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-                sets.emplace_back();
-                for (uint32_t c = 0; c < grp.capacity; ++c) {
-                    const llama_pos p = grp.hpos[(size_t) h*grp.capacity + c];
-                    if (p >= 0) {
-                        sets.back().emplace_back(p, c);
-                    }
-                }
-                std::sort(sets.back().begin(), sets.back().end());
-                offs.push_back(grp.head_off(h));
-            }
-        } else {
-            sets.emplace_back();
-            const auto & cells = grp.kv->get_cells(0);
-            for (uint32_t c = 0; c < cells.size(); ++c) {
-                if (!cells.is_empty(c)) {
-                    sets.back().emplace_back(cells.pos_get(c), c);
-                }
-            }
-            std::sort(sets.back().begin(), sets.back().end());
-            offs.push_back(0);
-        }
-        for (size_t s = 0; s < sets.size(); ++s) {
-            const std::vector<double> sc = ranked_scores(grp, pp, sets[s], offs[s]);
+        for (uint32_t s = 0; s < (grp.per_head ? grp.n_head_kv : 1); ++s) {
+            const std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(s) : 0);
             const int32_t n = (int32_t) sc.size();
             const int32_t f = std::min(plan.b_min, n);
             const std::vector<int32_t> order = ascending(sc);
@@ -499,6 +474,27 @@ void llama_kv_cache_poly::allocate_prompt() {
     }
 }
 
+std::vector<std::pair<llama_pos, uint32_t>> llama_kv_cache_poly::set_items(const group & grp, uint32_t h) const {
+    std::vector<std::pair<llama_pos, uint32_t>> items;
+    if (grp.per_head) {
+        for (uint32_t c = 0; c < grp.capacity; ++c) {
+            const llama_pos p = grp.hpos[(size_t) h*grp.capacity + c];
+            if (p >= 0) {
+                items.emplace_back(p, c);
+            }
+        }
+    } else {
+        const auto & cells = grp.kv->get_cells(0);
+        for (uint32_t c = 0; c < cells.size(); ++c) {
+            if (!cells.is_empty(c)) {
+                items.emplace_back(cells.pos_get(c), c);
+            }
+        }
+    }
+    std::sort(items.begin(), items.end());
+    return items;
+}
+
 void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
     if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
         return; // a FullKV sliding-window group behaves exactly as the stock SWA cache (it recycles masked cells)
@@ -517,18 +513,14 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
             }
             p_out = pos_max + 2 - (llama_pos) hparams.n_swa;
         }
-        std::vector<std::vector<std::pair<llama_pos, uint32_t>>> items(grp.n_head_kv);
-        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-            for (uint32_t c = 0; c < cap; ++c) {
-                llama_pos & p = grp.hpos[h*cap + c];
-                if (p >= 0 && p < p_out) {
-                    p = -1;
-                }
-                if (p >= 0) {
-                    items[h].emplace_back(p, c);
-                }
+        for (llama_pos & p : grp.hpos) {
+            if (p >= 0 && p < p_out) {
+                p = -1;
             }
-            std::sort(items[h].begin(), items[h].end());
+        }
+        std::vector<std::vector<std::pair<llama_pos, uint32_t>>> items;
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            items.push_back(set_items(grp, h));
         }
         std::vector<std::vector<uint32_t>> drop;
         if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE) {
@@ -559,15 +551,8 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
         }
     }
     const auto & cells = grp.kv->get_cells(0);
-    std::vector<std::pair<llama_pos, uint32_t>> items; // (pos, cell), oldest first
-    for (uint32_t i = 0; i < cells.size(); ++i) {
-        if (!cells.is_empty(i)) {
-            items.emplace_back(cells.pos_get(i), i);
-        }
-    }
-    std::sort(items.begin(), items.end());
     std::vector<llama_pos> drop;
-    for (uint32_t c : select_drop(grp, pp, items, 0)) {
+    for (uint32_t c : select_drop(grp, pp, set_items(grp, 0), 0)) {
         drop.push_back(cells.pos_get(c));
     }
     for (llama_pos p : drop) {

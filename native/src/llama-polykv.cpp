@@ -490,7 +490,8 @@ size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     return total;
 }
 
-static const uint32_t POLYKV_STATE_MAGIC = 0x504b5634; // "PKV4"
+static const uint32_t POLYKV_STATE_MAGIC    = 0x504b5635; // "PKV5": PKV4 + each group's budgets when not the plan's
+static const uint32_t POLYKV_STATE_MAGIC_V4 = 0x504b5634; // "PKV4": still read
 
 // after each group's cells: the score state of every kept token, keyed by position (a restore may place
 // tokens in other cells), so that a restored cache goes on evicting as the saved one would have
@@ -502,6 +503,14 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
     io.write(&pending, sizeof(pending));
     for (const auto & grp : groups) {
         io.write(&grp.capacity, sizeof(grp.capacity));
+        // budgets a per-prompt allocation gave this prompt (the plan's own are not written: any plan of the same
+        // sizes, e.g. every portable one, may load the state)
+        const uint8_t allocated = grp.phase[0].budget != grp.plan_budget[0] || grp.phase[1].budget != grp.plan_budget[1];
+        io.write(&allocated, sizeof(allocated));
+        if (allocated) {
+            io.write(&grp.phase[0].budget, sizeof(int32_t));
+            io.write(&grp.phase[1].budget, sizeof(int32_t));
+        }
         grp.kv->state_write(io, seq_id, flags);
 
         const auto & cells = grp.kv->get_cells(0);
@@ -577,25 +586,43 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     io.read(&magic, sizeof(magic));
     io.read(&n, sizeof(n));
     io.read(&pending, sizeof(pending));
-    if (magic != POLYKV_STATE_MAGIC || n != groups.size()) {
+    if ((magic != POLYKV_STATE_MAGIC && magic != POLYKV_STATE_MAGIC_V4) || n != groups.size()) {
         throw std::runtime_error("PolyKV: the saved state does not come from a context with the same plan "
                                  "(or, in portable prefill mode, from another portable context of this model)");
     }
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
     kvzip_scored = false; // a state carries no reconstruction scores: run the pass after loading it
-    restore_plan_budgets(); // a state saved after a per-prompt allocation names capacities the plan has not: refused below
+    restore_plan_budgets();
     for (uint32_t g = 0; g < groups.size(); ++g) {
         auto & grp = groups[g];
         uint32_t cap = 0;
+        uint8_t  allocated = 0;
         io.read(&cap, sizeof(cap));
-        // exact modes save either the whole prompt's caches or the compressed ones of the same plan
-        if (cap != grp.capacity && prefill_exact && (cap == grp.capacity_max || cap == group_cells(grp, false))) {
+        if (magic != POLYKV_STATE_MAGIC_V4) {
+            io.read(&allocated, sizeof(allocated));
+        }
+        if (allocated) {
+            int32_t budget[2] = { 0, 0 };
+            io.read(budget, sizeof(budget));
+            const bool fits = budget[0] >= 0 && budget[0] <= (int32_t) n_ctx && budget[1] >= -1 && budget[1] <= (int32_t) n_ctx &&
+                              (budget[1] >= 0) == (grp.plan_budget[1] >= 0);
+            if (!plan.allocation_prompt || !prefill_exact || !fits) {
+                throw std::runtime_error("PolyKV: the saved state holds budgets a per-prompt allocation gave its prompt; it loads into an "
+                                         "exact-prefill context whose plan has \"allocation\": \"prompt\" too");
+            }
+            grp.phase[0].budget = budget[0];
+            grp.phase[1].budget = budget[1];
+        }
+        // exact modes save either the whole prompt's caches or the compressed ones of the same plan (at the budgets
+        // read above); kept follow-ups grew the caches by what came after the compression, up to n_ctx
+        const bool whole_or_compressed = prefill_exact && (cap == grp.capacity_max || cap == group_cells(grp, false));
+        const bool grown = plan.followup_keep && cap > group_cells(grp, false) && cap <= n_ctx;
+        if (cap != grp.capacity && (whole_or_compressed || grown)) {
             reset_capacity(grp, cap);
         }
         if (cap != grp.capacity) {
-            throw std::runtime_error(std::string("PolyKV: the saved state has different cache sizes (plan, budget or context size changed") +
-                                     (plan.allocation_prompt ? "; a plan with per-prompt budgets restores states saved before the compression only)" : ")"));
+            throw std::runtime_error("PolyKV: the saved state has different cache sizes (plan, budget or context size changed)");
         }
         grp.kv->state_read(io, seq_id, flags);
 

@@ -311,6 +311,8 @@ private:
     // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
     // kept tokens are spread over n_ctx cells, and attention would still span all of them)
     void compact(group & grp);
+    // the (position, cell) pairs of one token set, oldest first: KV head h's in a per-head group, else the layer's
+    std::vector<std::pair<llama_pos, uint32_t>> set_items(const group & grp, uint32_t h) const;
     // bring a group down to the budget of pp (llama-polykv-select.cpp)
     void evict(group & grp, const llama_polykv_phase_plan & pp);
     // per-head groups: move each head's kept tokens into the first cells and relabel the stock cells

@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -600,7 +601,7 @@ class Evaluator:
 
         m = self.model
         try:
-            m.set_plan(plan)
+            m.set_plan(plan, prefill=self.cfg.prefill)  # the runs' own mode: no chunked-only warnings when exact
             ctx = m.context(n_ctx=min(self.n_ctx, 512), n_batch=64, n_ubatch=64, n_threads=self.cfg.n_threads)
             ctx.close()
             return None
@@ -835,7 +836,9 @@ class Evaluator:
 
     def _kv_info_chunked(self, run: Run) -> None:
         """KV bytes of `run` as the runtime allocates them (chunked prefill), from a context that decodes nothing."""
-        ctx = self._context(run)
+        with warnings.catch_warnings():  # chunked-only warnings (per-prompt budgets): this context decodes nothing
+            warnings.simplefilter("ignore", UserWarning)
+            ctx = self._context(run)
         try:
             self._kv_info(run, ctx)
         finally:
