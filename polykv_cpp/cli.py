@@ -119,12 +119,16 @@ def split_question(model, prompt: str, question: str | None, chat: bool) -> tupl
     """The text to compress and the text fed after the compression. Without a question: the prompt (in the chat
     template with `chat`) and nothing. With one (kvpress's pipeline: a context, then a question it did not see):
     the prompt, then the question; with `chat` both are one user message, cut where the question starts."""
+    question = (question or "").strip()
     if not question:
         return (model.chat_prompt([("user", prompt)]) if chat else prompt), ""
     if not chat:
         return prompt, "\n" + question
     whole = model.chat_prompt([("user", prompt + "\n" + question)])
     cut = whole.rfind(question)
+    if cut < 0:
+        raise PolyKVError("--question: the chat template changed the question's text, so the prompt cannot be cut "
+                          "where it starts; run without --chat and give the template's text yourself")
     return whole[:cut], whole[cut:]
 
 
