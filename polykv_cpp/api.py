@@ -771,16 +771,28 @@ class Context:
         reconstruction tokens leave the cache after each chunk. The prompt's logits are kept for the next
         token. Costs about one more prefill of the prompt. Returns the number of cells freed.
         """
+        return self._kvzip_pass("compress_prompt_kvzip", prompt_tokens, prefix, chunk)
+
+    def score_prompt_kvzip(self, prompt_tokens: Sequence[int], *, prefix: Sequence[int] | None = None,
+                           chunk: int | None = None) -> None:
+        """KVzip's reconstruction pass alone (arguments as `compress_prompt_kvzip`): the prompt is scored and stays
+        whole until `compress_prompt()` or the first decode step compresses it. A `snapshot()` taken now carries the
+        scores: restored into a portable context with any plan (another budget, other KVzip layers), its
+        `compress_prompt()` keeps what that plan's own pass would keep, so one pass serves many plans."""
+        self._kvzip_pass("score_prompt_kvzip", prompt_tokens, prefix, chunk)
+
+    def _kvzip_pass(self, name: str, prompt_tokens: Sequence[int], prefix: Sequence[int] | None,
+                    chunk: int | None) -> int:
         tokens = [int(t) for t in prompt_tokens]
         if self._pending:
-            raise NativeError("compress_prompt_kvzip: a sampled token is pending; call it right after the prompt")
+            raise NativeError(f"{name}: a sampled token is pending; call it right after the prompt")
         if len(tokens) != self._n_past:
-            raise NativeError(f"compress_prompt_kvzip: give the prompt's {self._n_past} tokens (got {len(tokens)})")
+            raise NativeError(f"{name}: give the prompt's {self._n_past} tokens (got {len(tokens)})")
         pre = list(prefix) if prefix is not None else self.model.kvzip_prefix()
         room = self.n_ctx - len(tokens) - len(pre)
         n_chunk = min(chunk or room, room, len(tokens))
         if n_chunk < 1:
-            raise NativeError(f"compress_prompt_kvzip: n_ctx {self.n_ctx} leaves no room for a reconstruction chunk "
+            raise NativeError(f"{name}: n_ctx {self.n_ctx} leaves no room for a reconstruction chunk "
                               f"after {len(tokens)} prompt and {len(pre)} prefix tokens")
         last = self.logits() if self._n_past else None
         pre_buf = ffi.new("llama_token[]", max(1, len(pre)))
@@ -788,7 +800,8 @@ class Context:
         tok_buf = ffi.new("llama_token[]", max(1, len(tokens)))
         tok_buf[0:len(tokens)] = tokens
         mark = _native.log_mark()
-        n = self._lib.llama_polykv_compress_prompt_kvzip(self.ptr, pre_buf, len(pre), tok_buf, len(tokens), n_chunk)
+        fn = getattr(self._lib, f"llama_polykv_{name}")
+        n = fn(self.ptr, pre_buf, len(pre), tok_buf, len(tokens), n_chunk)
         if n < 0:
             detail = _native.log_since(mark)
             msg = ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace")

@@ -923,3 +923,21 @@ def test_prefill_table_from_real_runs(tiny_gguf, tmp_path, capsys):
     assert "| chunked, slack 4 |" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="no results of snapkv@99"):
         mod.main(["--budget", "99", f"exact={dirs['exact']}"])
+
+
+def test_one_kvzip_pass_per_sample_serves_every_kvzip_run(tiny_gguf, tmp_path):
+    """Exact prefill: the first KVzip run of a sample runs the reconstruction pass, the others (other budgets,
+    per-head selection) load its scored state; their answers equal those of runs that each ran the pass
+    (reuse off)."""
+    base = {**TINY_BASE, "budgets": [32, 48], "tasks": ["niah_single", "vt"], "n_samples": 1, "n_ppl_texts": 0}
+    cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "shared"), methods=["fullkv", "kvzip", "kvzip-head"],
+                     **base)
+    res = run_eval(cfg, log=lambda m: None)
+    # 2 samples x 2 protocols, 4 KVzip runs: one pass each, three loads
+    assert res["reuse"]["kvzip_passes_shared"] == 2 * 2 * 3
+    own = run_eval(EvalConfig(**{**cfg.__dict__, "out_dir": str(tmp_path / "own"), "reuse": False}), log=lambda m: None)
+    assert own["reuse"]["kvzip_passes_shared"] == 0
+    key = lambda r: (r["task"], r["protocol"], r["method"], r["budget"])  # noqa: E731
+    a = {key(r): r["prediction"] for r in res["records"] if r["kind"] == "ruler"}
+    b = {key(r): r["prediction"] for r in own["records"] if r["kind"] == "ruler"}
+    assert a == b and len(a) == 2 * 2 * 5

@@ -142,6 +142,59 @@ def test_kvzip_scores_equal_the_reference_maximum(twin, tokens, recon_attn, sele
             assert not np.any(ctx.kept_scores(0))
 
 
+def test_one_scored_portable_state_serves_every_kvzip_plan(twin, tokens):
+    """`score_prompt_kvzip` in a portable context, then `snapshot()`: the state carries the pass's scores, so a
+    portable context of another KVzip plan (other budget, other selection, per-prompt budgets) that restores it and
+    compresses keeps what its own pass keeps, with the same logits. A snapshot taken before the pass carries no
+    scores (the plan's warning case: sinks and recent tokens)."""
+    _, path = twin
+    kw = dict(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off")
+    plans = [kvzip_plan(1, "layer"), kvzip_plan(1, "head", budget=12, decode_budget=12),
+             plan_mod.Plan.from_dict({**kvzip_plan(1, "head").to_dict(), "allocation": "prompt"})]
+
+    def after(ctx):
+        kept = [[ctx.kept_positions(il, h) for h in range(CFG.n_head_kv)] for il in range(CFG.n_layer)]
+        ctx.decode([tokens[P]])
+        return kept, ctx.logits().copy()
+
+    with Model(path) as model:
+        model.set_plan(plans[0], prefill="portable")
+        with model.context(**kw) as ctx:
+            ctx.decode(tokens[:P])
+            unscored = ctx.snapshot()
+            ctx.score_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            assert ctx.kept_positions(1) == list(range(P))  # scored, not compressed
+            scored = ctx.snapshot()
+        model.set_plan(plans[1], prefill="exact")  # an exact per-head context keeps no layer scores
+        with model.context(**kw) as ctx:
+            ctx.decode(tokens[:P])
+            ctx.score_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            scored_heads = ctx.snapshot()
+        for plan in plans:
+            model.set_plan(plan, prefill="portable")
+            with model.context(**kw) as ctx:
+                ctx.decode(tokens[:P])
+                ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+                want = after(ctx)
+            with model.context(**kw) as ctx:
+                ctx.restore(scored)
+                ctx.compress_prompt()
+                got = after(ctx)
+            assert got[0] == want[0]
+            np.testing.assert_allclose(got[1], want[1], rtol=0, atol=1e-6)
+            if plan is plans[0]:
+                model.set_plan(plan, prefill="exact")
+                with model.context(**kw) as ctx:  # per-head scores serve a per-layer plan: the largest of the heads'
+                    ctx.restore(scored_heads)
+                    ctx.compress_prompt()
+                    assert after(ctx)[0] == want[0]
+                model.set_plan(plan, prefill="portable")
+                with model.context(**kw) as ctx:  # no scores: what an unscored kvzip layer keeps, not the pass's
+                    ctx.restore(unscored)
+                    ctx.compress_prompt()
+                    assert after(ctx)[0] != want[0]
+
+
 @pytest.mark.slow
 def test_kvzip_prefix_closes_the_user_turn(default_model):
     """The default reconstruction prefix of a chat model: the instruction, then its template's end of the user

@@ -564,6 +564,21 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
                 }
             }
         }
+        // KVzip: the reconstruction scores of a prompt scored and not compressed yet, every slot
+        // (the layer's slot if it has one, then each KV head's if it has them)
+        const uint8_t has_zmax = kvzip_scored && prompt_pending ? 1 : 0;
+        io.write(&has_zmax, sizeof(has_zmax));
+        if (has_zmax) {
+            const uint8_t  layer_slot = grp.layer_scores() ? 1 : 0;
+            const uint32_t n_heads    = grp.head_scores() ? grp.n_head_kv : 0;
+            io.write(&layer_slot, sizeof(layer_slot));
+            io.write(&n_heads, sizeof(n_heads));
+            for (uint32_t k = 0; k < grp.n_slots(); ++k) {
+                for (uint32_t i : idxs) {
+                    io.write(&grp.zmax[(size_t) k*grp.capacity + i], sizeof(float));
+                }
+            }
+        }
         // Expected Attention: the query statistics (a portable state carries them for every layer)
         const uint8_t has_ea = grp.ea_sum.empty() ? 0 : 1;
         io.write(&has_ea, sizeof(has_ea));
@@ -592,7 +607,8 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     }
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
-    kvzip_scored = false; // a state carries no reconstruction scores: run the pass after loading it
+    kvzip_scored = false;
+    bool scored = prompt_pending; // a prompt saved scored by the pass, not compressed yet, carries its scores
     restore_plan_budgets();
     for (uint32_t g = 0; g < groups.size(); ++g) {
         auto & grp = groups[g];
@@ -720,6 +736,45 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
                 }
             }
         }
+        uint8_t has_zmax = 0;
+        if (magic != POLYKV_STATE_MAGIC_V4) {
+            io.read(&has_zmax, sizeof(has_zmax));
+        }
+        std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
+        scored = scored && (has_zmax || !grp.needs(LLAMA_POLYKV_KVZIP));
+        if (has_zmax) {
+            uint8_t  layer_slot = 0;
+            uint32_t n_heads = 0;
+            io.read(&layer_slot, sizeof(layer_slot));
+            io.read(&n_heads, sizeof(n_heads));
+            if ((n_heads != 0 && n_heads != grp.n_head_kv) || used.size() != n_cells) {
+                throw std::runtime_error("PolyKV state: group " + std::to_string(g) + " has KVzip scores of " +
+                                         std::to_string(n_heads) + " KV heads (a state of another model, or a damaged file)");
+            }
+            std::vector<float> saved((size_t) (layer_slot + n_heads) * used.size());
+            io.read(saved.data(), saved.size() * sizeof(float));
+            const float * heads = saved.data() + (size_t) layer_slot * used.size();
+            // slots by meaning: a layer's score is the largest of its KV heads' (each the largest over its query
+            // heads), so per-head scores serve a per-layer slot; the reverse cannot be derived
+            if (grp.layer_scores()) {
+                for (size_t k = 0; k < used.size(); ++k) {
+                    float z = layer_slot ? saved[k] : 0.0f;
+                    for (uint32_t h = 0; !layer_slot && h < n_heads; ++h) {
+                        z = std::max(z, heads[(size_t) h*used.size() + k]);
+                    }
+                    grp.zmax[used[k]] = z;
+                }
+                scored = scored && (layer_slot || n_heads > 0);
+            }
+            if (grp.head_scores()) {
+                for (uint32_t h = 0; h < n_heads; ++h) {
+                    for (size_t k = 0; k < used.size(); ++k) {
+                        grp.zmax[grp.head_off(h) + used[k]] = heads[(size_t) h*used.size() + k];
+                    }
+                }
+                scored = scored && n_heads > 0;
+            }
+        }
         uint8_t has_ea = 0;
         io.read(&has_ea, sizeof(has_ea));
         std::fill(grp.ea_sum.begin(), grp.ea_sum.end(), 0.0);
@@ -754,6 +809,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     pos_next = 0;
     pos_next = seq_pos_max(seq) + 1;
     prompt_done = pos_next > 0 && !prompt_pending; // a cache saved after its compression (or while decoding)
+    kvzip_scored = scored && pos_next > 0;
 }
 
 llama_polykv_phase_plan llama_kv_cache_poly::prompt_phase(const group & grp) const {
@@ -912,6 +968,12 @@ void llama_kv_cache_poly::warn_kvzip_unscored(const group & grp) {
 
 uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const llama_token * prefix, int32_t n_prefix,
                                                    const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
+    score_prompt_kvzip(lctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+    return compress_prompt();
+}
+
+void llama_kv_cache_poly::score_prompt_kvzip(llama_context * lctx, const llama_token * prefix, int32_t n_prefix,
+                                             const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
     if (!prefill_exact) {
         throw std::runtime_error("KVzip scores the whole prompt at once: it needs exact prefill (prefill mode exact or portable)");
     }
@@ -950,7 +1012,6 @@ uint64_t llama_kv_cache_poly::compress_prompt_kvzip(llama_context * lctx, const 
     }
     llama_synchronize(lctx);
     kvzip_scored = true;
-    return compress_prompt();
 }
 
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
@@ -1361,6 +1422,15 @@ int64_t llama_polykv_compress_prompt_kvzip(struct llama_context * ctx, const lla
     return with_poly(ctx, [&](llama_kv_cache_poly * poly) {
         llama_synchronize(ctx);
         return (int64_t) poly->compress_prompt_kvzip(ctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+    });
+}
+
+int32_t llama_polykv_score_prompt_kvzip(struct llama_context * ctx, const llama_token * prefix, int32_t n_prefix,
+                                        const llama_token * tokens, int32_t n_tokens, int32_t n_chunk) {
+    return (int32_t) with_poly(ctx, [&](llama_kv_cache_poly * poly) {
+        llama_synchronize(ctx);
+        poly->score_prompt_kvzip(ctx, prefix, n_prefix, tokens, n_tokens, n_chunk);
+        return (int64_t) 0;
     });
 }
 

@@ -202,6 +202,10 @@ public:
     // remove the reconstruction tokens, then compress the prompt; returns the cells freed. Throws on misuse.
     uint64_t compress_prompt_kvzip(llama_context * lctx, const llama_token * prefix, int32_t n_prefix,
                                    const llama_token * tokens, int32_t n_tokens, int32_t n_chunk);
+    // the same pass without the compression: the prompt stays whole and scored (a state saved now carries the
+    // scores, so one pass serves every plan a portable state is loaded into)
+    void score_prompt_kvzip(llama_context * lctx, const llama_token * prefix, int32_t n_prefix,
+                            const llama_token * tokens, int32_t n_tokens, int32_t n_chunk);
     // true while the reconstruction pass runs (the graph scores only KVzip layers, nothing is evicted)
     bool kvzip_pass() const { return kvzip_active; }
 

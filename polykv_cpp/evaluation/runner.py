@@ -367,7 +367,7 @@ class Evaluator:
         self.reuse = {"tokenization": "", "fullkv_protocols_shared": 0, "copied_from_fullkv": 0,
                       "prefix_tokens_shared": 0, "prefix_tokens_total": 0, "ppl_fullkv_reference_runs": 0,
                       "contexts_created": 0, "prompt_tokens_shared": 0, "prompt_tokens_reused": 0,
-                      "prompt_states_loaded": 0}
+                      "prompt_states_loaded": 0, "kvzip_passes_shared": 0}
         self.state_cache: PromptStateCache | None = None
         self.runs: list[Run] = []
         self.model = None
@@ -784,6 +784,7 @@ class Evaluator:
             finally:
                 src.close()
         full.info["task_seconds"] = round(full.info.get("task_seconds", 0) + time.time() - t0, 2)
+        scored: dict[str, Any] = {}  # protocol -> the prompt's state after one KVzip pass, shared by the KVzip runs
         for run, todo in work:
             bar.set_postfix_str(f"{run.key} {sample.task}@{sample.length}")
             if run.method == FULLKV:
@@ -807,13 +808,18 @@ class Evaluator:
             try:
                 for p in todo:
                     if p == "query-aware":
-                        ctx.restore(s2)  # type: ignore[arg-type]
                         if uses_kvzip(run.plan):
-                            self._compress(ctx, run, p1 + p2)
+                            self._restore_scored(ctx, run, scored, p, s2, p1 + p2)
+                            ctx.compress_prompt()
+                        else:
+                            ctx.restore(s2)  # type: ignore[arg-type]
                         pred, n = self._generate(ctx, [], sample)
                     else:
-                        ctx.restore(s1)  # type: ignore[arg-type]
-                        self._compress(ctx, run, p1)
+                        if uses_kvzip(run.plan):
+                            self._restore_scored(ctx, run, scored, p, s1, p1)
+                        else:
+                            ctx.restore(s1)  # type: ignore[arg-type]
+                        ctx.compress_prompt()
                         pred, n = self._generate(ctx, p2, sample)
                     self._record(sample, p, run, pred, n, prefill_shared=True)
                 self.reuse["prompt_tokens_reused"] += len(p1) + (len(p2) if "query-aware" in todo else 0)
@@ -823,6 +829,21 @@ class Evaluator:
                 self._kv_info_chunked(run)
             run.info["task_seconds"] = round(run.info.get("task_seconds", 0) + time.time() - t0, 2)
             bar.update(1)
+
+    def _restore_scored(self, ctx, run: Run, scored: dict[str, Any], protocol: str, state: Any,
+                        prompt_tokens: list[int]) -> None:
+        """Restore the sample's prompt into `ctx` scored by KVzip's reconstruction pass: the first KVzip run of the
+        sample runs the pass (on the uncompressed prompt the pass sees the same cache under any plan, so its scores
+        are the plan's own) and keeps the scored state; the others restore it."""
+        if protocol in scored:
+            ctx.restore(scored[protocol])
+            self.reuse["kvzip_passes_shared"] += 1
+            return
+        ctx.restore(state)
+        t0 = time.time()
+        ctx.score_prompt_kvzip(prompt_tokens, chunk=KVZIP_ROOM)
+        run.info["kvzip_seconds"] = round(run.info.get("kvzip_seconds", 0) + time.time() - t0, 2)
+        scored[protocol] = ctx.snapshot()
 
     def _compress(self, ctx, run: Run, prompt_tokens: list[int]) -> None:
         """Compress the prompt in `ctx` now: by a KVzip reconstruction pass when the plan uses KVzip (its seconds
@@ -1025,6 +1046,9 @@ class Evaluator:
                f"prefilled {n_re} times over by the other methods and budgets"] if exact else []),
             *([f"prompt state cache {cfg.state_cache}: {self.reuse['prompt_states_loaded']} of the prompts loaded "
                "from an earlier evaluation instead of prefilled"] if cfg.state_cache else []),
+            *([f"KVzip: {self.reuse['kvzip_passes_shared']} reconstruction passes saved (one pass per sample and "
+               "protocol, its scored state loaded by the other KVzip runs)"] if self.reuse["kvzip_passes_shared"]
+              else []),
             f"FullKV: one generation per sample served both protocols ({self.reuse['fullkv_protocols_shared']} "
             "results shared) and is the reference of every budget",
             f"{self.reuse['copied_from_fullkv']} results copied from FullKV because the (method, budget) keeps "
