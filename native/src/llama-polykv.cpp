@@ -490,7 +490,7 @@ size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     return total;
 }
 
-static const uint32_t POLYKV_STATE_MAGIC    = 0x504b5635; // "PKV5": PKV4 + each group's budgets when not the plan's
+static const uint32_t POLYKV_STATE_MAGIC    = 0x504b5635; // "PKV5": PKV4 + budgets a per-prompt allocation gave + KVzip scores
 static const uint32_t POLYKV_STATE_MAGIC_V4 = 0x504b5634; // "PKV4": still read
 
 // after each group's cells: the score state of every kept token, keyed by position (a restore may place
