@@ -1025,23 +1025,7 @@ bool llama_kv_cache_poly::kept_scores(int32_t il, int32_t head, std::vector<floa
     if (head < -1 || head >= (int32_t) grp.n_head_kv || (head < 0 ? grp.per_head || !grp.layer_scores() : !grp.head_scores())) {
         return false;
     }
-    std::vector<std::pair<llama_pos, uint32_t>> items;
-    if (grp.per_head) {
-        for (uint32_t c = 0; c < grp.capacity; ++c) {
-            const llama_pos p = grp.hpos[(size_t) head*grp.capacity + c];
-            if (p >= 0) {
-                items.emplace_back(p, c);
-            }
-        }
-    } else {
-        const auto & cells = grp.kv->get_cells(0);
-        for (uint32_t i = 0; i < cells.size(); ++i) {
-            if (!cells.is_empty(i)) {
-                items.emplace_back(cells.pos_get(i), i);
-            }
-        }
-    }
-    std::sort(items.begin(), items.end());
+    const auto items = set_items(grp, head < 0 ? 0 : (uint32_t) head);
     const size_t off = head < 0 ? 0 : grp.head_off((uint32_t) head);
     for (double v : pattern_scores(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL], items, off)) {
         out.push_back((float) v);
