@@ -6,7 +6,10 @@
 Each turn feeds only the new text (the end of the previous answer's turn, the user's message, the assistant's
 header) into the same context: earlier turns are not re-read, they stay in the cache as the plan left them. Before
 a new message is read, the history is compressed to the plan's budget (`Context.compress_prompt`): the query does
-not exist yet when the history is compressed, the query-agnostic case. After each answer it prints the KV memory
+not exist yet when the history is compressed, the query-agnostic case. A plan that needs the whole prompt (KVzip
+layers, per-prompt budgets: the shipped query-agnostic plan) runs exact prefill instead: the first message is
+compressed once, by KVzip's reconstruction pass where the plan has KVzip layers, before its answer; with the plan's
+`"followup": "keep"` what comes after it (answers, later turns) is kept on top, as `polykv-cpp run` does. After each answer it prints the KV memory
 next to what a FullKV cache of the same context would take, and how many tokens the layers keep and have evicted.
 
 Reads messages from standard input, one per line (so it also runs on piped input); an empty line or EOF ends it.
@@ -16,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 from polykv_cpp import Model, PolyKVError
-from polykv_cpp.plan import uniform_plan
+from polykv_cpp.plan import needs_whole_prompt, uniform_plan
 
 MiB = 1024 * 1024
 
@@ -90,25 +94,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         with Model(path) as model:
-            if args.plan_from_gguf:
-                model.set_plan(use_gguf=True, prefill_slack=2.0)
+            plan = model.resolve_plan(None if args.plan_from_gguf else
+                                      args.plan or uniform_plan(model.n_layer, args.pattern, args.budget),
+                                      use_gguf=args.plan_from_gguf)
+            whole = needs_whole_prompt(plan)
+            if whole:
+                model.set_plan(plan, prefill="exact")
             else:
-                plan = args.plan or uniform_plan(model.n_layer, args.pattern, args.budget)
                 model.set_plan(plan, prefill_slack=2.0)  # a slack: the history is compressed between turns
             conv = Conversation(model)
             with model.context(n_ctx=args.ctx) as ctx:
+                kvzip = any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats())
                 n_tokens = 0
                 for line in sys.stdin:
                     user = line.strip()
                     if not user:
                         break
-                    if n_tokens and not args.no_compress:
+                    if n_tokens and not args.no_compress and not whole:
                         ctx.compress_prompt()
                     tokens = model.tokenize(conv.next_input(user), add_special=n_tokens == 0)
                     if n_tokens + len(tokens) + args.max_tokens > args.ctx:
                         print("[kv] the context's positions are used up: start a new chat (-c raises it)",
                               file=sys.stderr)
                         break
+                    if whole and n_tokens == 0 and not args.no_compress:
+                        ctx.decode(tokens)  # the first message whole, compressed once before its answer
+                        t0 = time.perf_counter()
+                        if kvzip:
+                            ctx.compress_prompt_kvzip(tokens)
+                        else:
+                            ctx.compress_prompt()
+                        what = "KVzip's reconstruction pass" if kvzip else "per-prompt budgets"
+                        print(f"[kv] first message compressed ({what}, {time.perf_counter() - t0:.1f} s)",
+                              file=sys.stderr, flush=True)
+                        tokens = []  # the answer starts from the compressed prompt's logits
                     answer = []
                     print("> ", end="", flush=True)
                     for piece in ctx.generate(tokens, max_tokens=args.max_tokens, stream=True):

@@ -35,3 +35,29 @@ def test_chat_keeps_the_conversation_in_a_compressed_cache(tiny_gguf, tmp_path):
 def test_chat_missing_model(tmp_path):
     proc = _chat(tmp_path / "nope.gguf", stdin="hi\n", cwd=tmp_path)
     assert proc.returncode == 2 and "not found" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_chat_with_a_kvzip_plan_compresses_the_first_message_once(tiny_gguf, tmp_path):
+    """A plan that needs the whole prompt (the shipped query-agnostic KVzip plan's shape: kvzip per head,
+    per-prompt budgets, follow-ups kept): exact prefill, KVzip's pass on the first message before its answer,
+    nothing evicted afterwards, every later token kept in every layer."""
+    import dataclasses
+
+    from polykv_cpp.plan import uniform_plan
+    from tiny_models import TinyConfig
+
+    plan = uniform_plan(TinyConfig().n_layer, "kvzip", 32, selection="head", allocation="prompt", b_min=4)
+    path = tmp_path / "kvzip-keep.json"
+    path.write_text(dataclasses.replace(plan, followup="keep").to_json())
+    long = "the cat and the dog and the bird " * 12
+    proc = _chat(tiny_gguf, "--plan", path, "-n", "8", stdin=f"{long}\nand the cat?\nand now?\n", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr.count("first message compressed (KVzip's reconstruction pass") == 1
+    turns = [tuple(map(int, m)) for m in
+             re.findall(r"(\d+) tokens so far, layers keep (\d+)-(\d+), (\d+) evicted", proc.stderr)]
+    assert len(turns) == 3
+    seen, low, high, evicted = zip(*turns)
+    assert seen[0] > 300 and evicted[0] > 200 and high[0] < seen[0]  # the first message was compressed
+    assert evicted[1] == evicted[0] and evicted[2] == evicted[0]  # the follow-ups are kept
+    for t in (1, 2):  # every layer holds every token that came after
+        assert low[t] - low[t - 1] == seen[t] - seen[t - 1] == high[t] - high[t - 1]
