@@ -81,7 +81,10 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="+", help="results.json of polykv-cpp eval, or several as LABEL=PATH")
     p.add_argument("--base", default="snapkv", help="the method the others are compared with (default snapkv)")
     p.add_argument("--protocol", default="query-aware")
-    p.add_argument("--only", help="compare only these methods (comma-separated; the base and fullkv are added)")
+    p.add_argument("--only", help="compare only these methods (comma-separated, METHOD or METHOD@BUDGET; the base "
+                                  "and fullkv are added)")
+    p.add_argument("--any-budget", action="store_true",
+                   help="compare methods at every budget with the base (default: at the base's budget only)")
     args = p.parse_args(argv)
     scores = load_runs(args.results, args.protocol)
     if args.only:
@@ -105,7 +108,7 @@ def main(argv=None) -> int:
     for base in bases:
         budget = base.rpartition("@")[2]
         for m in sorted(reps):
-            if m == base or m.rpartition("@")[2] != budget:
+            if m in (base, full_key) or (m.rpartition("@")[2] != budget and not args.any_budget):
                 continue
             diff = reps[m] - reps[base]
             with np.errstate(divide="ignore", invalid="ignore"):  # replicates where the base equals FullKV
@@ -113,7 +116,7 @@ def main(argv=None) -> int:
             point = task_average(scores[m]) - task_average(scores[base])
             point_gap = point / (task_average(scores[full_key]) - task_average(scores[base]))
             (d0, d1), (g0, g1) = interval(diff), interval(gap)
-            print(f"| {m.rpartition('@')[0]} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
+            print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
                   f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] |")
         point = task_average(scores[full_key]) - task_average(scores[base])
         d0, d1 = interval(full - reps[base])
