@@ -941,3 +941,22 @@ def test_one_kvzip_pass_per_sample_serves_every_kvzip_run(tiny_gguf, tmp_path):
     a = {key(r): r["prediction"] for r in res["records"] if r["kind"] == "ruler"}
     b = {key(r): r["prediction"] for r in own["records"] if r["kind"] == "ruler"}
     assert a == b and len(a) == 2 * 2 * 5
+
+
+def test_paired_diff_compares_other_budgets_on_request(tmp_path, capsys):
+    """--any-budget: a method at another budget is compared with the base (its own budget in the row); without it
+    only the base's budget is; --only takes METHOD@BUDGET."""
+    mod = _script("paired_diff")
+    records = [{"kind": "ruler", "task": "a", "length": 1024, "index": i, "protocol": "query-aware",
+                "method": method, "budget": budget, "score": score}
+               for i in range(6)
+               for method, budget, score in (("fullkv", None, 1.0), ("plan", 128, float(i < 2)),
+                                             ("plan-w", 128, float(i < 3)), ("plan-w", 160, float(i < 5)))]
+    (tmp_path / "r.json").write_text(json.dumps({"records": records}))
+    assert mod.main([str(tmp_path / "r.json"), "--base", "plan"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("plan-w", "128"), ("fullkv", "128")]
+    assert mod.main([str(tmp_path / "r.json"), "--base", "plan", "--only", "plan-w@160", "--any-budget"]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("plan-w", "160"), ("fullkv", "128")]
+    assert rows[0][3].strip().startswith("+50.0")
