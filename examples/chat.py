@@ -9,8 +9,9 @@ a new message is read, the history is compressed to the plan's budget (`Context.
 not exist yet when the history is compressed, the query-agnostic case. A plan that needs the whole prompt (KVzip
 layers, per-prompt budgets: the shipped query-agnostic plan) runs exact prefill instead: the first message is
 compressed once, by KVzip's reconstruction pass where the plan has KVzip layers, before its answer; with the plan's
-`"followup": "keep"` what comes after it (answers, later turns) is kept on top, as `polykv-cpp run` does. After each answer it prints the KV memory
-next to what a FullKV cache of the same context would take, and how many tokens the layers keep and have evicted.
+`"followup": "keep"` what comes after it (answers, later turns) is kept on top, as `polykv-cpp run` does. After
+each answer it prints the KV memory next to what a FullKV cache of the same context would take, and how many
+tokens the layers keep and have evicted.
 
 Reads messages from standard input, one per line (so it also runs on piped input); an empty line or EOF ends it.
 """
