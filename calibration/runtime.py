@@ -42,7 +42,8 @@ import numpy as np
 
 from calibration.core import RUNTIME_PATTERNS
 from polykv_cpp.errors import CalibrationError
-from polykv_cpp.evaluation.runner import KVZIP_ROOM, uses_kvzip
+from polykv_cpp.evaluation.runner import KVZIP_ROOM
+from polykv_cpp.plan import uses_kvzip
 
 DEFAULT_SAMPLES = 4
 DEFAULT_MIN_GAIN = 0.01

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from polykv_cpp import Model, PolyKVError
-from polykv_cpp.plan import needs_whole_prompt, uniform_plan
+from polykv_cpp.plan import needs_whole_prompt, uniform_plan, uses_kvzip
 
 MiB = 1024 * 1024
 
@@ -98,14 +98,13 @@ def main(argv: list[str] | None = None) -> int:
             plan = model.resolve_plan(None if args.plan_from_gguf else
                                       args.plan or uniform_plan(model.n_layer, args.pattern, args.budget),
                                       use_gguf=args.plan_from_gguf)
-            whole = needs_whole_prompt(plan)
+            whole, kvzip = needs_whole_prompt(plan), uses_kvzip(plan)
             if whole:
                 model.set_plan(plan, prefill="exact")
             else:
                 model.set_plan(plan, prefill_slack=2.0)  # a slack: the history is compressed between turns
             conv = Conversation(model)
             with model.context(n_ctx=args.ctx) as ctx:
-                kvzip = any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats())
                 n_tokens = 0
                 for line in sys.stdin:
                     user = line.strip()

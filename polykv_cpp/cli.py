@@ -50,7 +50,7 @@ def _read_prompt(args) -> str:
 def cmd_run(args) -> int:
     from polykv_cpp import _native
     from polykv_cpp.api import Model
-    from polykv_cpp.plan import needs_whole_prompt
+    from polykv_cpp.plan import needs_whole_prompt, uses_kvzip
 
     if args.plan_from_gguf and args.plan:
         raise PolyKVError("give either --plan FILE or --plan-from-gguf, not both")
@@ -83,7 +83,7 @@ def cmd_run(args) -> int:
             if args.prefill_mode is None and mode == "exact":
                 label += " (the plan's KVzip pass or per-prompt budgets need the whole prompt)"
             gen_input = tokens + q_tokens
-            kvzip = any(s.pattern_prefill == "kvzip" for s in ctx.kv_layer_stats())
+            kvzip = uses_kvzip(plan)
             if kvzip and mode == "chunked":
                 print("[polykv-cpp] warning: kvzip layers need --prefill-mode exact (their reconstruction pass "
                       "scores the whole prompt); with chunked prefill they keep their sinks and the most recent "

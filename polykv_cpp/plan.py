@@ -924,12 +924,16 @@ class Plan:
                     prefill_slack=self.prefill_slack, allocation=self.allocation)
 
 
+def uses_kvzip(plan: "Plan | None") -> bool:
+    """True if some layer of `plan` compresses its prompt with KVzip (a reconstruction pass must run)."""
+    return plan is not None and any(lp.prefill.pattern in RECONSTRUCTION_PATTERNS for lp in plan.layers)
+
+
 def needs_whole_prompt(plan: "Plan | None") -> bool:
     """True if `plan` chooses what to keep from the whole prompt at once: a KVzip layer (its reconstruction pass
     reads the whole prompt again) or per-prompt budgets (``"allocation": "prompt"``). Chunked prefill cannot run
     either; `polykv-cpp run` then defaults to exact prefill."""
-    return plan is not None and (plan.allocation == "prompt"
-                                 or any(lp.prefill.pattern in RECONSTRUCTION_PATTERNS for lp in plan.layers))
+    return plan is not None and (plan.allocation == "prompt" or uses_kvzip(plan))
 
 
 def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) -> float:

@@ -44,6 +44,7 @@ import numpy as np
 
 from polykv_cpp.errors import PlanError, PolyKVError
 from polykv_cpp.evaluation import scoring, tasks as T
+from polykv_cpp.plan import uses_kvzip
 
 FULLKV = "fullkv"
 #: uniform single-pattern baselines: one token set per layer, and the per-KV-head variants ("snapkv-head": every
@@ -74,11 +75,6 @@ def is_baseline(method: str) -> bool:
     return True
 
 
-def uses_kvzip(plan: Any) -> bool:
-    """True if some layer of `plan` compresses its prompt with KVzip (a reconstruction pass must run)."""
-    from polykv_cpp import plan as plan_mod
-
-    return plan is not None and any(lp.prefill.pattern in plan_mod.RECONSTRUCTION_PATTERNS for lp in plan.layers)
 PROTOCOLS = ("query-agnostic", "query-aware")
 PREFILL_MODES = ("exact", "chunked")
 PREFILL_TEXT = {
