@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -68,6 +69,10 @@ def cmd_run(args) -> int:
     with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
         plan = model.resolve_plan(args.plan, use_gguf=args.plan_from_gguf)
+        if args.protect_tail is not None:
+            if plan is None:
+                raise PolyKVError("--protect-tail needs a plan (--plan FILE or --plan-from-gguf)")
+            plan = dataclasses.replace(plan, protect_tail=args.protect_tail).validate()
         mode = args.prefill_mode or ("exact" if needs_whole_prompt(plan) else "chunked")
         model.set_plan(plan, kv_budget=args.kv_budget or 0, prefill=mode, prefill_slack=args.prefill_slack)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
@@ -237,6 +242,9 @@ def add_run_parser(sub) -> None:
     p.add_argument("--plan-from-gguf", action="store_true", help="use the PolyKV plan stored in the model")
     p.add_argument("--plan", metavar="FILE", help="PolyKV plan (JSON sidecar or GGUF)")
     p.add_argument("--kv-budget", type=int, default=None, help="average KV tokens per layer")
+    p.add_argument("--protect-tail", type=int, default=None, metavar="N",
+                   help="keep the prompt's last N tokens in every budgeted layer on top of its budget (the question "
+                        "at the end of a prompt compressed whole); default: the plan's own protect_tail, else 0")
     p.add_argument("--prefill-mode", choices=["chunked", "exact"], default=None,
                    help="chunked: evict after every ubatch (bounded memory); exact: compress the whole prompt once. "
                         "Default: exact for a plan with KVzip layers or per-prompt budgets (\"allocation\": "

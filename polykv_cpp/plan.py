@@ -551,6 +551,10 @@ class Plan:
             ones) are re-split for that prompt by their scores across the model, KVzip's non-uniform allocation
             (:func:`polykv_cpp.patterns.allocate_prompt`: same total, at least ``b_min`` per layer), and each
             layer's cache shrinks to its share; the decode budgets follow. Chunked prefill keeps the plan's.
+        protect_tail: the prompt's last ``protect_tail`` tokens are kept in every budgeted layer on top of its
+            budget (the question at the end of a prompt compressed whole): each budgeted layer's budgets (both
+            phases) grow by it and its prefill window by as much (:meth:`tail_applied`, which the runtime runs after
+            any rescaling). The budgets, ``budget_avg`` and :meth:`scaled` count the context without the tail.
     """
 
     version: int
@@ -566,12 +570,13 @@ class Plan:
     stream: str | None = None
     prefill_slack: float | None = None
     allocation: str = "plan"
+    protect_tail: int = 0
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the v1 schema; ``followup``, ``stream``, ``prefill_slack`` and ``allocation`` only when
-        they are not the default)."""
+        """JSON-ready dict (the v1 schema; ``followup``, ``stream``, ``prefill_slack``, ``allocation`` and
+        ``protect_tail`` only when they are not the default)."""
         d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
@@ -592,6 +597,8 @@ class Plan:
             d["prefill_slack"] = self.prefill_slack
         if self.allocation != "plan":
             d["allocation"] = self.allocation
+        if self.protect_tail:
+            d["protect_tail"] = self.protect_tail
         return d
 
     @classmethod
@@ -610,7 +617,8 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "layers", "provenance"}
+                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "layers",
+                   "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -641,6 +649,11 @@ class Plan:
         allocation = d.get("allocation", "plan")
         if allocation not in ALLOCATION_MODES:
             raise PlanError(f"plan: 'allocation' must be one of {', '.join(ALLOCATION_MODES)} (got {allocation!r})")
+        tail = d.get("protect_tail")
+        if tail is None:
+            tail = 0  # absent or null, as the native parser
+        elif not _is_int(tail) or not 0 <= tail <= INT32_MAX:
+            raise PlanError(f"plan: 'protect_tail' must be an integer from 0 to {INT32_MAX} (got {tail!r})")
         layers = d.get("layers")
         if not isinstance(layers, list):
             raise PlanError("plan: 'layers' must be a list")
@@ -650,7 +663,7 @@ class Plan:
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
             exact_total=exact, full_charge=fc, followup=followup, stream=stream, prefill_slack=slack,
-            allocation=allocation,
+            allocation=allocation, protect_tail=tail,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -710,12 +723,13 @@ class Plan:
     def resolved_budgets(self, phase: str, n_ctx: int) -> list[int]:
         """Tokens each layer keeps in ``phase`` for a context of ``n_ctx`` tokens.
 
-        FullKV layers get ``n_ctx``; other budgets are capped at ``n_ctx`` (a layer cannot hold more than the
-        context). Share-based budgets are resolved at the plan's ``budget_avg`` first.
+        FullKV layers get ``n_ctx``; other budgets (with :attr:`protect_tail` on top) are capped at ``n_ctx`` (a
+        layer cannot hold more than the context). Share-based budgets are resolved at the plan's ``budget_avg``
+        first.
         """
         if not _is_int(n_ctx) or n_ctx < 1:
             raise PlanError(f"n_ctx must be a positive integer (got {n_ctx!r})")
-        return [n_ctx if b is None else min(b, n_ctx) for b in self.token_budgets(phase)]
+        return [n_ctx if b is None else min(b, n_ctx) for b in self.tail_applied(n_ctx).token_budgets(phase)]
 
     def summary(self) -> str:
         """One line: layers, budget, rule and pattern counts per phase."""
@@ -735,6 +749,8 @@ class Plan:
             parts.append(f"follow-ups by the {self.followup} pattern")
         if self.allocation != "plan":
             parts.append("budgets re-split per prompt by its scores")
+        if self.protect_tail:
+            parts.append(f"the prompt's last {self.protect_tail} tokens kept on top")
         m = self.provenance.model
         if m is not None and (m.name or m.arch):
             parts.append(f"model: {m.name or m.arch}")
@@ -792,6 +808,8 @@ class Plan:
                             f"(got {self.prefill_slack!r})")
         if self.allocation not in ALLOCATION_MODES:
             raise PlanError(f"allocation must be one of {', '.join(ALLOCATION_MODES)} (got {self.allocation!r})")
+        if not _is_int(self.protect_tail) or not 0 <= self.protect_tail <= INT32_MAX:
+            raise PlanError(f"protect_tail must be an integer from 0 to {INT32_MAX} (got {self.protect_tail!r})")
 
         for lp in self.layers:
             scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
@@ -921,7 +939,34 @@ class Plan:
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
                     full_charge=charge, followup=self.followup, stream=self.stream,
-                    prefill_slack=self.prefill_slack, allocation=self.allocation)
+                    prefill_slack=self.prefill_slack, allocation=self.allocation, protect_tail=self.protect_tail)
+
+    def tail_applied(self, n_ctx: int | None = None, caps: Sequence[int | None] | None = None) -> "Plan":
+        """The plan the runtime runs for :attr:`protect_tail`: every budgeted layer's budget grows by the tail in
+        both phases (up to ``n_ctx`` and a sliding-window layer's ``caps[l]``, but never shrinks) and its prefill
+        window by what its budget grew (within ``budget - n_sink``), so that the prompt's last tokens are kept on
+        top of what the pattern selects; ``protect_tail`` 0, integer budgets, ``exact_total`` off (the total
+        grew). A plan without a tail is returned as it is. Rescale first (:meth:`scaled`): the runtime adds the
+        tail after ``--kv-budget``."""
+        if not self.protect_tail:
+            return self
+        if caps is not None and len(caps) != self.n_layer:
+            raise PlanError(f"{len(caps)} caps for a plan of {self.n_layer} layers")
+        new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
+        for ph in PHASES:
+            for i, b in enumerate(self.token_budgets(ph)):
+                if b is None:
+                    continue
+                grown = b + self.protect_tail
+                if n_ctx is not None:
+                    grown = min(grown, max(b, n_ctx))
+                if caps is not None and caps[i]:
+                    grown = min(grown, max(b, caps[i]))
+                pp = new_layers[i].phase(ph)
+                pp.budget, pp.share = grown, None
+                if ph == "prefill":
+                    pp.window = min((pp.window or 0) + grown - b, grown - pp.n_sink)
+        return replace(self, layers=new_layers, exact_total=False, protect_tail=0)
 
 
 def uses_kvzip(plan: "Plan | None") -> bool:
@@ -1046,7 +1091,7 @@ def _phase(pattern: str, budget: int | None, params: Mapping[str, Any], selectio
 
 def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str | None = None,
                  b_min: int | None = None, provenance: Provenance | None = None, selection: str = "layer",
-                 allocation: str = "plan", **params: Any) -> Plan:
+                 allocation: str = "plan", protect_tail: int = 0, **params: Any) -> Plan:
     """Every layer and both phases use ``pattern`` with ``budget`` tokens (the single-pattern baselines).
 
     ``params`` (n_sink, window, obs_window, pool_kernel) override :data:`DEFAULT_PARAMS` of the pattern.
@@ -1056,6 +1101,7 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     always keep (``n_sink + window``), so that :meth:`Plan.scaled` keeps a uniform plan uniform.
     ``selection="head"``: each KV head keeps its own ``budget`` tokens (score-based patterns).
     ``allocation="prompt"``: ``budget`` is the average; each prompt's scores split the total (:attr:`Plan.allocation`).
+    ``protect_tail``: the prompt's last tokens kept on top of ``budget`` (:attr:`Plan.protect_tail`).
     """
     if not _is_int(n_layer) or n_layer < 1:
         raise PlanError(f"n_layer must be a positive integer (got {n_layer!r})")
@@ -1075,7 +1121,7 @@ def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str
     plan = Plan(version=PLAN_FORMAT_VERSION, n_layer=n_layer, budget_avg=budget,
                 b_min=b_min, budget_rule="uniform", layers=layers,
                 provenance=provenance or Provenance.now(), exact_total=True,
-                full_charge=budget if has_full else None, allocation=allocation)
+                full_charge=budget if has_full else None, allocation=allocation, protect_tail=protect_tail)
     return plan.validate()
 
 

@@ -107,6 +107,7 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
         "wrong layer count (3 for a 2-layer model)": uniform_plan(3, "snapkv", 48).to_json(),
         "unknown key": mutated(colour="red"),
         "`allocation` neither plan nor prompt": mutated(allocation="everywhere"),
+        "negative `protect_tail`": mutated(protect_tail=-32),
         "empty file": "",
     }
     names = list(plans)

@@ -75,6 +75,12 @@ CASES = {
     "prefill_slack a bool": (edit(GOOD, ["prefill_slack"], True), False),
     "prefill_slack a string": (edit(GOOD, ["prefill_slack"], "2"), False),
     "prefill_slack null": (edit(GOOD, ["prefill_slack"], None), False),
+    "protect_tail 32": (edit(GOOD, ["protect_tail"], 32), True),
+    "protect_tail null (absent)": (edit(GOOD, ["protect_tail"], None), True),
+    "protect_tail negative": (edit(GOOD, ["protect_tail"], -1), False),
+    "protect_tail a float": (edit(GOOD, ["protect_tail"], 2.5), False),
+    "protect_tail a bool": (edit(GOOD, ["protect_tail"], True), False),
+    "protect_tail beyond int32": (edit(GOOD, ["protect_tail"], 2**31), False),
 }
 
 

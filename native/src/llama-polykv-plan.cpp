@@ -258,7 +258,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -305,6 +305,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             }
             plan.allocation_prompt = f.get<std::string>() == "prompt";
         }
+        plan.protect_tail = get_int(doc, "protect_tail", 0, "plan", 0);
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");
         }
@@ -530,6 +531,28 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
         for (size_t i = 0; i < budgeted.size(); ++i) {
             plan.layers[budgeted[i]][p].budget = (int32_t) budgets[i];
             plan.layers[budgeted[i]][p].share  = -1.0;
+        }
+    }
+    if (plan.protect_tail > 0) {
+        // as Plan.tail_applied in polykv_cpp/plan.py
+        for (int32_t il = 0; il < plan.n_layer; ++il) {
+            for (int p = 0; p < 2; ++p) {
+                auto & pp = plan.layers[il][p];
+                if (pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
+                    continue;
+                }
+                int64_t b = (int64_t) pp.budget + plan.protect_tail;
+                b = std::min<int64_t>(b, std::max<int64_t>(pp.budget, n_ctx));
+                const int32_t cap = caps.empty() ? 0 : caps[il];
+                if (cap > 0) {
+                    b = std::min<int64_t>(b, std::max<int64_t>(pp.budget, cap));
+                }
+                const int32_t grown = (int32_t) b - pp.budget;
+                pp.budget = (int32_t) b;
+                if (p == LLAMA_POLYKV_PHASE_PREFILL) {
+                    pp.window = (int32_t) std::min<int64_t>((int64_t) pp.window + grown, pp.budget - pp.n_sink);
+                }
+            }
         }
     }
     return true;

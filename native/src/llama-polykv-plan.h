@@ -85,6 +85,10 @@ struct llama_polykv_plan {
     // scores across the model when it compresses the prompt (KVzip's non-uniform allocation; llama_kv_cache_poly::
     // allocate_prompt); false ("plan", the default): every layer keeps its plan budget
     bool     allocation_prompt = false;
+    // "protect_tail": the prompt's last protect_tail tokens are kept in every budgeted layer on top of its budget (the
+    // question at the end of a prompt compressed whole): llama_polykv_plan_resolve adds them to each budgeted layer's
+    // budgets (both phases, a sliding-window layer up to its window) and to its prefill window, after any rescaling
+    int32_t  protect_tail = 0;
 
     std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
 };
