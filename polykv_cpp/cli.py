@@ -105,6 +105,8 @@ def cmd_run(args) -> int:
                 gen_input = q_tokens  # the prompt is in the cache; generation starts from its logits or the question
             if question:
                 label += f", compressed before the question ({len(q_tokens)} tokens)"
+            if plan is not None and plan.protect_tail:
+                label += f", the prompt's last {plan.protect_tail} tokens kept on top of the budget"
             probe = None
             if (args.prompt_probe and mode == "chunked" and ctx.polykv_active and not question
                     and len(gen_input) > ctx.n_ubatch - args.prompt_probe):

@@ -161,7 +161,8 @@ def test_run_and_the_stock_tools_take_the_tail(cli_exe, tiny_gguf, tmp_path):
     assert plain.returncode == 0 and tail.returncode == 0, tail.stderr[-2000:]
     assert "budget 32/32" in plain.stderr and "used 32" in plain.stderr and "tokens on top" not in plain.stderr
     assert "budget 40/40" in tail.stderr and "used 40" in tail.stderr
-    assert "the prompt's last 8 tokens on top" in tail.stderr
+    assert "the prompt's last 8 tokens on top" in tail.stderr  # llama.cpp's log (-v)
+    assert "exact prefill, the prompt's last 8 tokens kept on top of the budget" in tail.stderr  # run's summary
     with_tail = tmp_path / "tail.json"
     with_tail.write_text(plan_mod.uniform_plan(2, "streamingllm", 32, n_sink=4, protect_tail=8).to_json())
     env = dict(os.environ, LLAMA_POLYKV_PLAN=str(with_tail))
