@@ -205,3 +205,19 @@ def test_probing_a_streaming_prompt_on_gemma3(gemma):
                 assert all(max(k) == len(toks) - 1 for k in kept[probe is None])
         glob = [il for il in range(model.n_layer) if il not in swa_layers(model)]
         assert any(kept[False][il] != kept[True][il] for il in glob)
+
+
+def test_a_protected_tail_stops_at_a_sliding_window(gemma):
+    """`"protect_tail"` comes after the rescaling; a sliding-window layer grows only up to its window, the global
+    layers by the whole tail, as `Plan.tail_applied(caps=...)` says."""
+    with Model(gemma) as model:
+        windows = model.attention_windows()
+        swa = swa_layers(model)
+        plan = plan_mod.uniform_plan(model.n_layer, "snapkv", 256, protect_tail=32)
+        model.set_plan(plan, kv_budget=496)
+        with model.context(n_ctx=8192, n_ubatch=256) as ctx:
+            native = [s.budget_prefill for s in ctx.kv_layer_stats()]
+        expected = plan.scaled(496, caps=windows).tail_applied(8192, caps=windows).token_budgets("prefill")
+        assert native == expected
+        assert [b for il, b in enumerate(native) if il in swa] == [512] * len(swa)
+        assert [b for il, b in enumerate(native) if il not in swa] == [496 + 32] * (model.n_layer - len(swa))
