@@ -212,6 +212,32 @@ def test_check_refuses_what_the_run_does_not_have(twins, eval_run, tmp_path):
                        log=lambda m: None).setup()
 
 
+def test_a_stopped_run_replays_the_samples_it_has(twins, eval_run, tmp_path):
+    # the run as if it had been asked for 2 samples per task and stopped after the first of each
+    stopped = json.loads((eval_run / "results.json").read_text())
+    stopped["config"]["n_samples"], stopped["partial"] = 2, True
+    (tmp_path / "stopped.json").write_text(json.dumps(stopped))
+
+    def setup(**kw):
+        check = K.KVPressCheck(K.KVPressCheckConfig(results=str(tmp_path / "stopped.json"), out_dir=str(tmp_path / "x"),
+                                                    hf_model=str(twins / "hf"), progress=False, **kw),
+                               log=lambda m: None)
+        check.setup()
+        return check
+
+    assert sorted(s.key for s in setup().ev.samples) == sorted(s.key for s in setup(samples=1).ev.samples)
+    assert {(s.task, s.index) for s in setup().ev.samples} == {("niah_single", 0), ("vt", 0)}
+    with pytest.raises(K.KVPressCheckError, match="stopped before sample .*--samples N"):
+        setup(samples=2)
+    for bad in (0, 3):
+        with pytest.raises(K.KVPressCheckError, match=r"--samples must be 1\.\.2"):
+            setup(samples=bad)
+    stopped["records"] = [r for r in stopped["records"] if r["task"] != "vt"]
+    (tmp_path / "stopped.json").write_text(json.dumps(stopped))
+    with pytest.raises(K.KVPressCheckError, match="before it had one sample of every task"):
+        setup()
+
+
 def test_cli_kvpress_check(cli_exe, twins, eval_run, tmp_path):
     r = run_cli(cli_exe, "kvpress-check", str(eval_run), "-o", str(tmp_path / "c"), "--hf", str(twins / "hf"),
                 "--methods", "snapkv", "--protocol", "query-aware", "--no-progress", "--no-png", "-t", "1")

@@ -112,6 +112,7 @@ class KVPressCheckConfig:
     budgets: list[int] | None = None  # None: the eval run's budgets
     protocols: list[str] | None = None  # None: the eval run's protocols
     tasks: list[str] | None = None  # None: the eval run's tasks
+    samples: int | None = None  # the first N samples of every task and length; None: the eval run's
     hf_model: str | None = None  # transformers checkpoint with the same weights; None: converted from the GGUF
     kvpress_params: bool = False  # True: kvpress's own window/kernel sizes instead of ours
     n_threads: int | None = None
@@ -389,6 +390,16 @@ def _load_hf(path: str | Path, n_threads: int | None) -> Any:
     return model.eval()
 
 
+def _complete_samples(records: list[dict[str, Any]], tasks: list[str], lengths: list[int], protocol: str) -> int:
+    """How many samples of every (task, length), counted from index 0, a stopped eval run has FullKV results for."""
+    have = {(r["task"], r["length"], r["index"]) for r in records
+            if r["kind"] == "ruler" and r["method"] == FULLKV and r["protocol"] == protocol}
+    n = 0
+    while all((t, L, n) in have for t in tasks for L in lengths):
+        n += 1
+    return n
+
+
 class KVPressCheck:
     """The samples of one eval run, replayed through kvpress (see the module docstring)."""
 
@@ -429,15 +440,28 @@ class KVPressCheck:
         unknown = [t for t in tasks if t not in oc["tasks"]]
         if unknown:
             raise KVPressCheckError(f"task(s) {', '.join(unknown)} not in the eval run")
+        n_samples = oc["n_samples"] if cfg.samples is None else cfg.samples
+        if cfg.samples is None and self.ours.get("partial"):
+            n_samples = _complete_samples(self.ours["records"], tasks, oc["lengths"], self.protocols[0])
+            if n_samples == 0:
+                raise KVPressCheckError(f"{cfg.results}: the eval run stopped before it had one sample of every task")
+            self.log(f"the eval run stopped early: replaying the {n_samples} sample(s) per task it has for all of them")
+        if not isinstance(n_samples, int) or not 1 <= n_samples <= oc["n_samples"]:
+            raise KVPressCheckError(f"--samples must be 1..{oc['n_samples']} (the eval run's samples per task), "
+                                    f"got {cfg.samples!r}")
         # the same samples and token ids as the eval run: its generator, seed and our tokenizer
         known = {f.name for f in fields(EvalConfig)}
         ecfg = EvalConfig(**{**{k: v for k, v in oc.items() if k in known}, "tasks": tasks, "ppl": False,
-                             "longbench": [], "out_dir": str(cfg.out_dir), "progress": False, "resume": False})
+                             "n_samples": n_samples, "longbench": [], "out_dir": str(cfg.out_dir),
+                             "progress": False, "resume": False})
         self.ev = Evaluator(ecfg, log=self.log)
         self.ev.build_samples()
         self.ours_by_key = {self._key(r): r for r in self.ours["records"] if r["kind"] == "ruler"}
         for s in self.ev.samples:
             r = self.ours_by_key.get(self._key_of(s, self.protocols[0], FULLKV, None))
+            if r is None and self.ours.get("partial"):
+                raise KVPressCheckError(f"the eval run stopped before sample {s.key}: replay the samples it has "
+                                        "with --samples N (the first N of every task)")
             if r is None or r["n_prompt"] != self.ev.prompts[s.key].n_prompt or r["answers"] != s.answers:
                 raise KVPressCheckError(f"sample {s.key} differs from the eval run's (another generator version "
                                         "or tokenizer); rerun the eval with this version")
@@ -701,7 +725,8 @@ def cmd_kvpress_check(args: argparse.Namespace) -> int:
                              methods=_names(args.methods) if args.methods else None,
                              budgets=_ints(args.budgets) if args.budgets else None,
                              protocols=None if args.protocol == "all" else [args.protocol],
-                             tasks=_names(args.tasks) if args.tasks else None, kvpress_params=args.kvpress_params,
+                             tasks=_names(args.tasks) if args.tasks else None, samples=args.samples,
+                             kvpress_params=args.kvpress_params,
                              n_threads=args.threads, png=not args.no_png, progress=not args.no_progress)
     data = run_kvpress_check(cfg)
     print(to_markdown(data) if args.print_tables else f"wrote {Path(cfg.out_dir) / 'results.md'}")
@@ -719,6 +744,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--protocol", choices=["all", "query-aware", "query-agnostic"], default="all",
                    help="default: every protocol of the run")
     p.add_argument("--tasks", default=None, help="comma list (default: the run's tasks)")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="the first N samples of every task (default: the run's; of a stopped run, as many as it has of every task)")
     p.add_argument("--hf", default=None, metavar="DIR",
                    help="transformers checkpoint with the same weights (default: converted from the GGUF, cached)")
     p.add_argument("--kvpress-params", action="store_true",
