@@ -745,7 +745,8 @@ def register_cli(sub: Any) -> None:
                    help="default: every protocol of the run")
     p.add_argument("--tasks", default=None, help="comma list (default: the run's tasks)")
     p.add_argument("--samples", type=int, default=None, metavar="N",
-                   help="the first N samples of every task (default: the run's; of a stopped run, as many as it has of every task)")
+                   help="the first N samples of every task (default: the run's; of a stopped run, as many as it "
+                        "has of every task)")
     p.add_argument("--hf", default=None, metavar="DIR",
                    help="transformers checkpoint with the same weights (default: converted from the GGUF, cached)")
     p.add_argument("--kvpress-params", action="store_true",
