@@ -780,7 +780,8 @@ def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_k
     the layer splits them by :func:`select_adaptive`). Limits: scores of different layers compare as they are
     (for KVzip the largest attention probability a reconstruction query gives a token, as the paper); a
     pattern whose scores are not comparable across layers (key norms, H2O's sums over a prompt) allocates by
-    the same rule without that meaning.
+    the same rule without that meaning. One pool: in a plan whose scored layers use several prefill patterns, the
+    runtime calls it once per pattern, on that pattern's layers (scores of different patterns are not on one scale).
     """
     if not (len(scores) == len(budgets) == len(n_head_kv)):
         raise ValueError("allocate_prompt needs one score list, budget and head count per layer")

@@ -222,3 +222,32 @@ def test_a_state_saved_after_the_allocation_loads_at_its_budgets_and_goes_on_ide
         with model.context(**kw) as ctx:
             with pytest.raises(Exception, match="allocation"):
                 ctx.load_state_bytes(state)
+
+
+def test_layers_of_different_patterns_keep_their_own_pools(twin, tokens, hf_reference, recon_attn):
+    """A plan mixing a SnapKV layer and a KVzip layer re-splits each pattern's budgets among its own layers only:
+    each pool here is one layer, so both keep the plan's budget and the sets the reference keeps at it, where one
+    pool across both patterns would have moved tokens (KVzip's probabilities and SnapKV's window sums are not on
+    one scale)."""
+    _, path = twin
+    kv = alloc_plan("kvzip", ("layer", "layer")).to_dict()
+    sn = alloc_plan("snapkv", ("layer", "layer")).to_dict()
+    plan = plan_mod.Plan.from_dict({**kv, "layers": [sn["layers"][0], kv["layers"][1]]})
+    scores = []
+    for il, pre in enumerate((pattern_from_phase_plan(plan.layers[0].prefill),
+                              pattern_from_phase_plan(plan.layers[1].prefill))):
+        logp, _ = hf_reference[il]
+        if il == 0:
+            scores.append([pre.scores(B, P, attn=softmax_causal(logp[:, :P, :P]))])
+        else:
+            scores.append([pre.scores(B, P, attn=recon_attn[il])])
+    assert allocate_prompt(scores, [B, B], [CFG.n_head_kv] * 2, B_MIN) != [B, B]  # one pool would move tokens
+    with Model(path) as model:
+        model.set_plan(plan, prefill="exact")
+        with model.context(n_ctx=256, type_k="f32", type_v="f32") as ctx:
+            ctx.decode(tokens[:P])
+            ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+            assert [s.budget_prefill for s in ctx.kv_layer_stats()] == [B, B]
+            got = [ctx.kept_positions(il) for il in range(CFG.n_layer)]
+    for il in range(CFG.n_layer):
+        assert got[il] == sorted(np.argsort(scores[il][0], kind="stable")[-B:].tolist()), f"layer {il}"

@@ -402,22 +402,30 @@ void llama_kv_cache_poly::restore_plan_budgets() {
     }
 }
 
-// as polykv_cpp.patterns.allocate_prompt: the pool of the candidate layers' budgets, in (head, token) pairs; every
-// token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest
+// the layers of each scored prefill pattern re-split their own budgets (scores of different patterns are not on one
+// scale): allocate_pool per pattern
 void llama_kv_cache_poly::allocate_prompt() {
     restore_plan_budgets();
-    struct entry {
-        double  score;
-        int32_t k; // candidate index
-    };
-    std::vector<uint32_t> cand;
+    std::map<int32_t, std::vector<uint32_t>> pools;
     for (uint32_t g = 0; g < groups.size(); ++g) {
         const auto & pp = groups[g].phase[LLAMA_POLYKV_PHASE_PREFILL];
         const bool scored = pp.needs_scores() || pp.pattern == LLAMA_POLYKV_KNORM;
         if (scored && pp.budget >= 0 && !groups[g].is_swa && groups[g].layers.size() == 1) {
-            cand.push_back(g);
+            pools[(int32_t) pp.pattern].push_back(g);
         }
     }
+    for (const auto & it : pools) {
+        allocate_pool(it.second);
+    }
+}
+
+// as polykv_cpp.patterns.allocate_prompt: the pool of the candidate layers' budgets, in (head, token) pairs; every
+// token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest
+void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
+    struct entry {
+        double  score;
+        int32_t k; // candidate index
+    };
     int64_t pool = 0;
     std::vector<int64_t> taken(cand.size(), 0);
     std::vector<int64_t> unit(cand.size(), 1);

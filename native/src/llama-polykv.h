@@ -306,10 +306,11 @@ private:
     void read_kvzip(group & grp);
     void warn_kvzip_unscored(const group & grp);
     // "allocation": "prompt" (exact modes, the prompt's first compression): the budgets of the groups with a scored
-    // prefill pattern (not sliding-window ones) re-split by their scores across the model, as
-    // polykv_cpp.patterns.allocate_prompt (KVzip's non-uniform allocation, with b_min per layer); the decode budgets
-    // follow (allocated_decode_budget)
+    // prefill pattern (not sliding-window ones) re-split by their scores across the model, the layers of each
+    // pattern among themselves, as polykv_cpp.patterns.allocate_prompt (KVzip's non-uniform allocation, with b_min
+    // per layer); the decode budgets follow (allocated_decode_budget)
     void allocate_prompt();
+    void allocate_pool(const std::vector<uint32_t> & cand);
     // every group back to the plan's budgets (a new prompt, a cleared or restored cache)
     void restore_plan_budgets();
     // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
