@@ -34,6 +34,7 @@ import numpy as np
 
 from polykv_cpp.api import Model
 from polykv_cpp.evaluation import tasks as T
+from polykv_cpp.evaluation.report import bootstrap_task_average, interval
 from polykv_cpp.evaluation.runner import resolve_model
 from polykv_cpp.patterns import KVzip, SnapKV
 
@@ -86,6 +87,23 @@ def kept(scores: np.ndarray, budget: int, tail: int, n_sink: int) -> set[int]:
     sc[:n_sink] = np.inf
     sc[len(sc) - tail:] = np.inf
     return set(np.argsort(sc, kind="stable")[-(budget + tail + n_sink):].tolist())
+
+
+def retention_table(rows: list[dict], budget: int, tail: int) -> str:
+    """Markdown: each rule's share per task and its task average with the eval's paired, task-stratified 95%
+    bootstrap interval (`report.bootstrap_task_average`)."""
+    tasks = sorted({r["task"] for r in rows})
+    scores = {k: {t: {r["index"]: float(np.mean(r["per_layer"][k])) for r in rows if r["task"] == t} for t in tasks}
+              for k in RULES}
+    reps = bootstrap_task_average(scores)
+    lines = [f"| rule (budget {budget} + tail {tail} per KV head) | " + " | ".join(tasks) + " | all (95% CI) |",
+             "|---|" + "---:|" * (len(tasks) + 1)]
+    for k in RULES:
+        lo, hi = interval(reps[k])
+        avg = 100 * np.mean([np.mean(list(scores[k][t].values())) for t in tasks])
+        cells = [f"{100 * np.mean(list(scores[k][t].values())):.1f}" for t in tasks]
+        lines.append(f"| {k} | " + " | ".join(cells) + f" | {avg:.1f} [{lo:.1f}-{hi:.1f}] |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,17 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                        "prompts": rows}, indent=1))
-    tasks = sorted({r["task"] for r in rows})
-    lines = [f"| rule (budget {args.budget} + tail {args.tail} per KV head) | " + " | ".join(tasks) + " | all (95% CI) |",
-             "|---|" + "---:|" * (len(tasks) + 1)]
-    rng = np.random.default_rng(0)
-    for k in RULES:
-        per = np.array([np.mean(r["per_layer"][k]) for r in rows])
-        boot = [per[rng.integers(0, len(per), len(per))].mean() for _ in range(2000)]
-        cells = [f"{100 * np.mean([np.mean(r['per_layer'][k]) for r in rows if r['task'] == t]):.1f}" for t in tasks]
-        lines.append(f"| {k} | " + " | ".join(cells) +
-                     f" | {100 * per.mean():.1f} [{100 * np.percentile(boot, 2.5):.1f}-{100 * np.percentile(boot, 97.5):.1f}] |")
-    table = "\n".join(lines)
+    table = retention_table(rows, args.budget, args.tail)
     (args.out / "results.md").write_text(f"Share of the answer's tokens kept (%), {len(rows)} {args.protocol} prompts "
                                          f"of {args.length} tokens, averaged over layers and KV heads\n\n{table}\n")
     print(table)
