@@ -36,7 +36,7 @@ from polykv_cpp.api import Model
 from polykv_cpp.evaluation import tasks as T
 from polykv_cpp.evaluation.report import bootstrap_task_average, interval
 from polykv_cpp.evaluation.runner import resolve_model
-from polykv_cpp.patterns import KVzip, SnapKV
+from polykv_cpp.patterns import KVzip, SnapKV, keep_topk
 
 RULES = ("kvzip", "snapkv", "kvzip+q-max", "kvzip+q-mean", "rank-max")
 KVZIP_CHUNK, KVZIP_OVERLAP = 512, 8  # as the eval's pass (runner.KVZIP_ROOM) and the runtime's overlap
@@ -86,7 +86,7 @@ def kept(scores: np.ndarray, budget: int, tail: int, n_sink: int) -> set[int]:
     sc = np.array(scores, dtype=np.float64)
     sc[:n_sink] = np.inf
     sc[len(sc) - tail:] = np.inf
-    return set(np.argsort(sc, kind="stable")[-(budget + tail + n_sink):].tolist())
+    return set(keep_topk(sc, budget + tail + n_sink).tolist())
 
 
 def retention_table(rows: list[dict], budget: int, tail: int) -> str:
