@@ -923,6 +923,10 @@ class Plan:
                 weights = [max(0, (pps[i].budget or 0) - self.b_min) for i in budgeted]
             layer_caps = [caps[i] for i in budgeted] if caps is not None else None
             budgets = allocate_budgets(pool, weights, self.b_min, layer_caps)
+            for i, b in zip(budgeted, budgets):
+                if b > INT32_MAX:
+                    raise PlanError(f"a KV budget of {kv_budget} tokens per layer gives layer {i} {b} tokens, more than "
+                                    f"a cache can index (2^31 - 1)")
             exact = exact and sum(budgets) == pool
             for i, b in zip(budgeted, budgets):
                 pp = new_layers[i].phase(ph)

@@ -70,13 +70,14 @@ def _message(text: str) -> str:
 def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
     from tiny_models import TinyConfig, write_tiny_gguf
 
-    from polykv_cpp.plan import uniform_plan, write_gguf
+    from polykv_cpp.plan import pyramid_plan, uniform_plan, write_gguf
 
     model = write_tiny_gguf(work / "tiny.gguf", TinyConfig(), seed=0)
     other = write_tiny_gguf(work / "three-layers.gguf", TinyConfig(n_layer=3), seed=1)
     good = uniform_plan(2, "snapkv", 48)
     good_json = json.loads(good.to_json())
     (work / "good.json").write_text(good.to_json())
+    (work / "pyramid.json").write_text(pyramid_plan(2, 64).to_json())
 
     def plan_file(name: str, text: str | bytes) -> str:
         path = work / name
@@ -142,6 +143,8 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
             tried="`--kv-budget -5`"),
         run(str(model), "--plan", str(work / "good.json"), "--kv-budget", str(10 ** 12), *prompt,
             what="CLI flags", tried="`--kv-budget 1e12`"),
+        run(str(model), "--plan", str(work / "pyramid.json"), "--kv-budget", str(2**31 - 1), *prompt,
+            what="CLI flags", tried="`--kv-budget 2147483647` with unequal budgets (a layer's share passes 2^31 - 1)"),
         run(str(model), "--plan", str(work / "good.json"), "--prefill-slack", "nan", *prompt, what="CLI flags",
             tried="`--prefill-slack nan`"),
         run(str(model), "--plan", str(work / "good.json"), "--prefill-slack", "0.5", *prompt, what="CLI flags",

@@ -435,6 +435,15 @@ def test_largest_remainder_exact():
         P.allocate_budgets(15, [1, 1], 10)
 
 
+def test_scaled_refuses_budgets_beyond_int32():
+    """Found by the atheris fuzz (native/fuzz/regressions/budget-beyond-int32), as the native side by libFuzzer: a
+    KV budget near 2^31 gave a layer more tokens than int32 holds, a plan that no longer validated."""
+    p = P.pyramid_plan(2, 64)
+    with pytest.raises(PlanError, match=r"more than a cache can index \(2\^31 - 1\)"):
+        p.scaled(2**31 - 1)
+    assert p.scaled(2**30 - 64).validate().budget_avg == 2**30 - 64
+
+
 def test_scaled_exact_totals_and_b_min():
     p = mixed_plan()
     for n in (35, 40, 64, 100, 513):

@@ -297,6 +297,17 @@ def test_budget_that_cannot_fit_fails_at_context_creation(tiny_gguf):
             model.context(n_ctx=256)
 
 
+def test_kv_budget_beyond_a_layers_index_range_is_refused(tiny_gguf):
+    """Found by the libFuzzer harness (native/fuzz/regressions/budget-beyond-int32): a KV budget near 2^31 gave the
+    layer with the larger share more than 2^31 - 1 tokens, cut to a negative int32 budget."""
+    plan = plan_mod.pyramid_plan(2, 64)
+    assert len(set(plan.token_budgets("prefill"))) == 2
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan, kv_budget=2**31 - 1)
+        with pytest.raises(NativeError, match=r"more than a cache can index \(2\^31 - 1\)"):
+            model.context(n_ctx=256)
+
+
 def test_state_roundtrip_of_an_evicted_cache(twin, tokens):
     _, path = twin
     with Model(path) as model:

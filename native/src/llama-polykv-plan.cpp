@@ -3,6 +3,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <numeric>
 #include <stdexcept>
@@ -529,6 +530,13 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
         }
         const auto budgets = allocate_capped(w, pool, plan.b_min, layer_caps);
         for (size_t i = 0; i < budgeted.size(); ++i) {
+            if (budgets[i] > INT32_MAX) {
+                err = "a KV budget of " + std::to_string(avg) + " tokens per layer gives layer " + std::to_string(budgeted[i]) +
+                      " " + std::to_string(budgets[i]) + " tokens, more than a cache can index (2^31 - 1)";
+                return false;
+            }
+        }
+        for (size_t i = 0; i < budgeted.size(); ++i) {
             plan.layers[budgeted[i]][p].budget = (int32_t) budgets[i];
             plan.layers[budgeted[i]][p].share  = -1.0;
         }
@@ -542,7 +550,7 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
                     continue;
                 }
                 int64_t b = (int64_t) pp.budget + plan.protect_tail;
-                b = std::min<int64_t>(b, std::max<int64_t>(pp.budget, n_ctx));
+                b = std::min<int64_t>(b, std::max<int64_t>(pp.budget, std::min<int64_t>(n_ctx, INT32_MAX)));
                 const int32_t cap = caps.empty() ? 0 : caps[il];
                 if (cap > 0) {
                     b = std::min<int64_t>(b, std::max<int64_t>(pp.budget, cap));
