@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                     if n_tokens and whole and args.recompress and not args.no_compress:
                         history = model.tokenize(conv.fed, add_special=True)
                         ctx.clear()
-                        ctx.decode(history)
+                        ctx.decode(history, phase="prefill")
                         t0 = time.perf_counter()
                         compress(ctx, history, kvzip)
                         print(f"[kv] history re-read and compressed ({len(history)} tokens, "
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                               file=sys.stderr)
                         break
                     if whole and n_tokens == 0 and not args.no_compress:
-                        ctx.decode(tokens)  # the first message whole, compressed once before its answer
+                        ctx.decode(tokens, phase="prefill")  # the first message whole, compressed once
                         t0 = time.perf_counter()
                         compress(ctx, tokens, kvzip)
                         what = "KVzip's reconstruction pass" if kvzip else "per-prompt budgets"

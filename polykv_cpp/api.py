@@ -555,8 +555,14 @@ class Context:
         return list(toks[0:n[0]])
 
     # ---- evaluation -------------------------------------------------------------------------------------
-    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, probe: Sequence[int] | None = None) -> None:
+    def decode(self, tokens: Sequence[int], *, all_logits: bool = False, probe: Sequence[int] | None = None,
+               phase: str | None = None) -> None:
         """Append `tokens` to sequence 0, in chunks of n_batch; logits for the last token (or all).
+
+        `phase` (with a plan): what the tokens are, "prefill" (prompt) or "decode" (generated tokens, e.g. several
+        verified at once in speculative decoding: one decode step); None guesses from each ubatch, as the stock
+        tools get it (a ubatch of one token is a decode step, so a prompt whose last ubatch is one token is
+        compressed before that token). `generate_tokens` says which.
 
         `probe`: tokens that steer what a streaming prompt keeps (FINCH: Corallo & Papotti 2024, "Prompt-guided
         Key-Value Cache Compression"), typically the prompt's own last tokens (its question). With a plan and
@@ -572,6 +578,15 @@ class Context:
         self._pending = []
         if not tokens:
             raise ValueError("decode() needs at least one token")
+        if phase not in (None, "prefill", "decode"):
+            raise ValueError(f"phase {phase!r}: expected 'prefill', 'decode' or None")
+        if phase is not None and self.polykv_active:  # for this call; guessed again after it
+            self.set_phase(phase)
+            try:
+                self.decode(tokens, all_logits=all_logits, probe=probe)
+            finally:
+                self.set_phase(None)
+            return
         self._restored_logits = None
         if self._n_past + len(tokens) > self.n_ctx:
             raise NativeError(f"context is full: {self._n_past} + {len(tokens)} tokens > n_ctx {self.n_ctx}")
@@ -661,7 +676,8 @@ class Context:
         chain = settings.build(self._lib)
         try:
             if prompt_tokens or self._pending:
-                self.decode(prompt_tokens, probe=probe)
+                # a prompt, or only the token sampled last time (a generation that goes on)
+                self.decode(prompt_tokens, probe=probe, phase="prefill" if prompt_tokens else "decode")
             elif self._n_past == 0:
                 raise ValueError("generate_tokens() needs prompt tokens in an empty context")
             for i in range(max_tokens):
@@ -672,7 +688,7 @@ class Context:
                 if stop_at_eog and self.model.is_eog(tok):
                     return
                 if i + 1 < max_tokens:
-                    self.decode([tok])
+                    self.decode([tok], phase="decode")
                 else:
                     self._pending = [tok]
                 yield tok
@@ -724,6 +740,15 @@ class Context:
     @property
     def polykv_active(self) -> bool:
         return bool(self._lib.llama_polykv_is_active(self.ptr))
+
+    def set_phase(self, phase: str | None) -> None:
+        """The phase the next ubatches are evicted for, until set again: "prefill", "decode", or None (guessed per
+        ubatch: one token is a decode step). `decode(..., phase=...)` sets it for one call."""
+        code = {None: -1, "prefill": 0, "decode": 1}.get(phase)
+        if code is None:
+            raise ValueError(f"phase {phase!r}: expected 'prefill', 'decode' or None")
+        if self._lib.llama_polykv_set_phase(self.ptr, code) != 0:
+            raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace"))
 
     def set_prompt_probing(self, on: bool) -> bool:
         """FINCH probing (chunked prefill with a plan): while on, each prompt ubatch keeps its tokens until

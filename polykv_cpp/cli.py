@@ -95,7 +95,7 @@ def cmd_run(args) -> int:
                       "tokens", file=sys.stderr)
             elif kvzip or question:
                 # the prompt is compressed before anything else is read: the question, if any, comes after it
-                ctx.decode(tokens)
+                ctx.decode(tokens, phase="prefill")
                 t_zip = time.perf_counter()
                 if kvzip:
                     ctx.compress_prompt_kvzip(tokens)

@@ -563,8 +563,9 @@ class _FakeCtx:
     def clear(self):
         self.batches = []
 
-    def decode(self, toks):
+    def decode(self, toks, phase=None):
         assert toks, "decode() of nothing"
+        assert phase == "prefill", "the evaluator feeds prompts, and says so"
         self.batches.append(list(toks))
 
     def state_bytes(self):

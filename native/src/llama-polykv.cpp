@@ -865,7 +865,7 @@ void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
     if (!prompt_pending || kvzip_active || probe_active) {
         return;
     }
-    if (ubatch.n_tokens == 1) {
+    if (is_decode(ubatch)) {
         compress_prompt();
         return;
     }
@@ -1036,7 +1036,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         }
         return; // probe_prompt evicts once the probe has left the cache
     }
-    const bool decode = ubatch.n_tokens == 1;
+    const bool decode = is_decode(ubatch);
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
@@ -1443,6 +1443,22 @@ int32_t llama_polykv_set_prompt_probing(struct llama_context * ctx, bool on) {
         poly->set_prompt_probing(on);
         return (int64_t) 0;
     });
+}
+
+int32_t llama_polykv_set_phase(struct llama_context * ctx, int32_t phase) {
+    if (phase < -1 || phase > LLAMA_POLYKV_PHASE_DECODE) {
+        set_last_error("phase " + std::to_string(phase) + ": expected -1 (auto), 0 (prefill) or 1 (decode)");
+        return -1;
+    }
+    const auto polys = get_polys(ctx);
+    if (polys.empty()) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    for (auto * poly : polys) {
+        poly->set_phase(phase);
+    }
+    return 0;
 }
 
 int64_t llama_polykv_probe_prompt(struct llama_context * ctx, const llama_token * tokens, int32_t n_tokens) {

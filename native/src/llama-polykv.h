@@ -213,6 +213,10 @@ public:
     // Compression"): while on, a prompt ubatch keeps its tokens until probe_prompt scores them by the probe's
     // queries (or until the next prompt ubatch evicts by the chunk's own rows); throws in exact prefill modes
     void set_prompt_probing(bool on);
+
+    // the phase of the next ubatches: -1 auto (a ubatch of one token is a decode step), else LLAMA_POLYKV_PHASE_*
+    void set_phase(int32_t phase) { phase_set = phase; }
+
     // feed the probe after the prompt so far, read its rows into the score state, remove it, evict every group to
     // its streaming budget by its prompt pattern; returns the cells freed. Throws on misuse
     uint64_t probe_prompt(llama_context * lctx, const llama_token * tokens, int32_t n_tokens);
@@ -276,6 +280,11 @@ private:
     bool probing      = false; // prompt ubatches wait for a probe before they evict
     bool probe_active = false; // a probe is being decoded (its rows are read, nothing is evicted)
     bool probe_due    = false; // a prompt ubatch has not been evicted yet (no probe came after it so far)
+
+    int32_t phase_set = -1; // llama_polykv_set_phase: -1 auto, else the phase of every ubatch
+    bool is_decode(const llama_ubatch & ubatch) const {
+        return phase_set < 0 ? ubatch.n_tokens == 1 : phase_set == LLAMA_POLYKV_PHASE_DECODE;
+    }
 
     bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams || probing; }
     // "followup": "keep" once the prompt was compressed: nothing is evicted any more, the groups grow instead

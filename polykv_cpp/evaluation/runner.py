@@ -704,7 +704,7 @@ class Evaluator:
         state = None
         if share:
             ctx.clear()
-            ctx.decode(p1[:P])
+            ctx.decode(p1[:P], phase="prefill")
             state = ctx.state_bytes()
             self.reuse["prefix_tokens_shared"] += P
         for i, p in enumerate(todo):
@@ -715,7 +715,7 @@ class Evaluator:
                 ctx.clear()
             start = P if share else 0
             if p == "query-aware" and cfg.prefill == "exact" and uses_kvzip(run.plan):
-                ctx.decode(p1[start:] + p2)
+                ctx.decode(p1[start:] + p2, phase="prefill")
                 self._compress(ctx, run, p1 + p2)
                 pred, n = self._generate(ctx, [], sample)
             elif p == "query-aware":
@@ -723,7 +723,7 @@ class Evaluator:
                 pred, n = self._generate(ctx, p1[start:] + p2, sample, probe=probe)
             else:
                 if len(p1) > start:
-                    ctx.decode(p1[start:])
+                    ctx.decode(p1[start:], phase="prefill")
                 if cfg.prefill == "exact" or self._prefill_slack(run) > 1.0:
                     # the context ends before the question exists: compress it to the budget now
                     self._compress(ctx, run, p1)
@@ -766,9 +766,9 @@ class Evaluator:
                     src.restore(s2)
                 else:
                     keep_both = self.state_cache is not None
-                    src.decode(p1)
+                    src.decode(p1, phase="prefill")
                     s1 = src.snapshot() if keep_both or "query-agnostic" in cfg.protocols else None
-                    src.decode(p2)
+                    src.decode(p2, phase="prefill")
                     s2 = src.snapshot() if keep_both or "query-aware" in cfg.protocols else None
                     if self.state_cache:
                         self.state_cache.save(p1, p2, s1, s2)  # type: ignore[arg-type]
@@ -889,7 +889,7 @@ class Evaluator:
                     ctx.restore(shared["state"])
                     self.reuse["prompt_tokens_reused"] += len(ctx_ids)
                 else:
-                    ctx.decode(ctx_ids)
+                    ctx.decode(ctx_ids, phase="prefill")
                     if portable:
                         shared["state"] = ctx.snapshot()
                         self.reuse["prompt_tokens_shared"] += len(ctx_ids)
