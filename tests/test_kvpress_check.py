@@ -238,6 +238,55 @@ def test_a_stopped_run_replays_the_samples_it_has(twins, eval_run, tmp_path):
         setup()
 
 
+def test_a_stopped_check_is_written_and_resumes(twins, eval_run, tmp_path, monkeypatch):
+    def cfg(out, **kw):
+        return K.KVPressCheckConfig(results=str(eval_run), out_dir=str(out), hf_model=str(twins / "hf"),
+                                    methods=["snapkv"], protocols=["query-aware"], n_threads=1, progress=False,
+                                    png=False, **kw)
+
+    whole = K.run_kvpress_check(cfg(tmp_path / "whole"), log=lambda m: None)
+    assert len(whole["records"]) == 2 * 2 and not whole["partial"]  # 2 samples x (fullkv, snapkv)
+
+    # stopped in the second prefill: the first one's records are on disk, marked partial
+    greedy, calls = K.greedy_tokens, []
+
+    def dies_on_third_answer(*a, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return greedy(*a, **kw)
+
+    monkeypatch.setattr(K, "greedy_tokens", dies_on_third_answer)
+    with pytest.raises(KeyboardInterrupt):
+        K.run_kvpress_check(cfg(tmp_path / "cut"), log=lambda m: None)
+    monkeypatch.setattr(K, "greedy_tokens", greedy)
+    stopped = json.loads((tmp_path / "cut" / "results.json").read_text())
+    assert stopped["partial"] and len(stopped["records"]) == 2 and stopped["n_samples"] == 1
+    assert "**Partial**" in (tmp_path / "cut" / "results.md").read_text()
+
+    # resumed: the finished prefill is taken as it is (not re-run), the other one is run
+    stopped["records"][0]["prediction"] = "kept from the stopped run"
+    (tmp_path / "cut" / "results.json").write_text(json.dumps(stopped))
+    logs: list[str] = []
+    done = K.run_kvpress_check(cfg(tmp_path / "cut", resume=True), log=logs.append)
+    assert any("1 of 2 prefills done" in m for m in logs)
+    assert not done["partial"] and done["n_samples"] == 2
+    assert done["records"][0]["prediction"] == "kept from the stopped run"
+
+    def key(r):
+        return (r["task"], r["index"], r["method"])
+
+    assert sorted(map(key, done["records"])) == sorted(map(key, whole["records"]))
+    by_key = {key(r): r for r in whole["records"]}
+    for r in done["records"][2:]:
+        assert r["prediction"] == by_key[key(r)]["prediction"] and r["kept_per_layer"] == by_key[key(r)]["kept_per_layer"]
+
+    with pytest.raises(K.KVPressCheckError, match="other settings .*budgets"):
+        K.run_kvpress_check(K.KVPressCheckConfig(
+            results=str(eval_run), out_dir=str(tmp_path / "cut"), hf_model=str(twins / "hf"), methods=["snapkv"],
+            budgets=[40, 40], protocols=["query-aware"], progress=False, png=False, resume=True), log=lambda m: None)
+
+
 def test_cli_kvpress_check(cli_exe, twins, eval_run, tmp_path):
     r = run_cli(cli_exe, "kvpress-check", str(eval_run), "-o", str(tmp_path / "c"), "--hf", str(twins / "hf"),
                 "--methods", "snapkv", "--protocol", "query-aware", "--no-progress", "--no-png", "-t", "1")

@@ -118,6 +118,11 @@ class KVPressCheckConfig:
     n_threads: int | None = None
     png: bool = True
     progress: bool = True
+    resume: bool = False  # go on from out_dir/results.json of a stopped check with the same settings
+
+
+#: the settings a resumed check must share with the stopped one (the rest only say how to run it)
+RESUME_KEYS = ("methods", "budgets", "protocols", "tasks", "kvpress_params")
 
 
 def _import_kvpress():
@@ -407,6 +412,8 @@ class KVPressCheck:
         self.cfg = cfg
         self.log = log or (lambda msg: print(f"[polykv-cpp kvpress-check] {msg}", file=sys.stderr))
         self.records: list[dict[str, Any]] = []
+        self.seconds_before = 0.0
+        self.prefill_before = 0.0
 
     def setup(self) -> None:
         from polykv_cpp.evaluation import report
@@ -503,6 +510,8 @@ class KVPressCheck:
         t0 = time.time()
         self.t_prefill = 0.0
         units = [(s, p) for s in self.ev.samples for p in self.protocols]
+        done = self._resumed() if self.cfg.resume else set()
+        units = [(s, p) for s, p in units if (s.key, p) not in done]
         bar = tqdm(total=len(units), desc="kvpress", unit="prefill", disable=not self.cfg.progress,
                    dynamic_ncols=True, mininterval=0.2 if sys.stderr.isatty() else 10.0)
         try:
@@ -539,13 +548,49 @@ class KVPressCheck:
                         "prediction": pred, "n_generated": n_gen, "score": score,
                         "ours_prediction": ours and ours["prediction"], "ours_score": ours and ours["score"],
                         "same_answer": ours is not None and pred.strip() == ours["prediction"].strip()})
+                self.seconds = self.seconds_before + time.time() - t0
+                write_results(self.results(partial=True), Path(self.cfg.out_dir), png=False)
                 bar.update(1)
         finally:
             bar.close()
-        self.seconds = time.time() - t0
+        self.seconds = self.seconds_before + time.time() - t0
         return self.results()
 
-    def results(self) -> dict[str, Any]:
+    def _resumed(self) -> set[tuple[str, str]]:
+        """Take the records of a stopped check in ``out_dir`` (same settings, checked); return the (sample key,
+        protocol) units it finished."""
+        path = Path(self.cfg.out_dir) / "results.json"
+        if not path.exists():
+            self.log(f"--resume: nothing to resume in {self.cfg.out_dir}, starting afresh")
+            return set()
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise KVPressCheckError(f"--resume: {path} is not readable ({e})") from None
+        if old.get("format") != RESULTS_FORMAT:
+            raise KVPressCheckError(f"--resume: {path} is not a kvpress-check results file")
+        now = {"methods": self.methods, "budgets": self.budgets, "protocols": self.protocols,
+               "tasks": list(self.ev.cfg.tasks), "kvpress_params": self.cfg.kvpress_params}
+        then = {"methods": old.get("methods"), "budgets": old.get("budgets"), "protocols": old.get("protocols"),
+                "tasks": old.get("tasks", now["tasks"]), "kvpress_params": old["config"].get("kvpress_params")}
+        differ = [k for k in RESUME_KEYS if now[k] != then[k]]
+        if differ or Path(old["eval_results"]).resolve() != Path(self.cfg.results).resolve():
+            what = ", ".join(f"{k} {then[k]} -> {now[k]}" for k in differ) or "another eval run"
+            raise KVPressCheckError(f"--resume: {path} was made with other settings ({what}); use another --out")
+        per_unit = 1 + len(self.methods) * len(self.budgets)
+        key_of = {(s.task, s.length, s.index): s.key for s in self.ev.samples}
+        by_unit: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+        for r in old["records"]:
+            by_unit[(key_of.get((r["task"], r["length"], r["index"]), ""), r["protocol"])].append(r)
+        keys = {(s.key, p) for s in self.ev.samples for p in self.protocols}
+        done = {u for u, rs in by_unit.items() if len(rs) == per_unit and u in keys}
+        self.records = [r for u in sorted(done) for r in by_unit[u]]
+        self.seconds_before = float(old.get("seconds", 0.0))
+        self.prefill_before = float(old.get("prefill_seconds", 0.0))
+        self.log(f"--resume: {len(done)} of {len(keys)} prefills done in {path}")
+        return done
+
+    def results(self, *, partial: bool = False) -> dict[str, Any]:
         import kvpress
         import torch
         import transformers
@@ -556,14 +601,15 @@ class KVPressCheck:
         return {"format": RESULTS_FORMAT, "version": 1, "eval_results": str(cfg.results),
                 "config": asdict(cfg), "model": self.ours["config"]["model"], "hf_model": str(self.hf_path),
                 "methods": self.methods, "budgets": self.budgets, "protocols": self.protocols,
+                "tasks": list(self.ev.cfg.tasks), "partial": partial,
                 "presses": {m: press_name(m) for m in self.methods},
                 "params": "kvpress defaults" if cfg.kvpress_params else "ours (window, kernel, sinks)",
                 "differences": DIFFERENCES,
                 "environment": {"polykv_cpp": __version__, "kvpress": kvpress.__version__ if hasattr(
                     kvpress, "__version__") else KVPRESS_VERSION, "transformers": transformers.__version__,
                     "torch": torch.__version__, "threads": torch.get_num_threads()},
-                "seconds": round(self.seconds, 1), "prefill_seconds": round(self.t_prefill, 1),
-                "n_samples": len(self.ev.samples), "records": self.records,
+                "seconds": round(self.seconds, 1), "prefill_seconds": round(self.prefill_before + self.t_prefill, 1),
+                "n_samples": len({(r["task"], r["length"], r["index"]) for r in self.records}), "records": self.records,
                 "summary": summarize(self.records)}
 
 
@@ -638,6 +684,8 @@ def to_markdown(data: dict[str, Any]) -> str:
          f"weights (`{data['hf_model']}`), on the same {data['n_samples']} samples and token ids. Scores are 0-100, "
          "mean over tasks; *same answer* = identical answer text. Press parameters: "
          f"{data['params']}. Time: {data['seconds']:.0f} s ({data['prefill_seconds']:.0f} s prefill).", "",
+         *(["**Partial**: the check stopped or is still running; `--resume` goes on.", ""] if data.get("partial")
+           else []),
          "Presses: " + ", ".join(f"{m} = `{p}`" for m, p in data["presses"].items()) + ".", ""]
     for p in data["protocols"]:
         by_m = s.get(p, {})
@@ -710,12 +758,19 @@ def run_kvpress_check(cfg: KVPressCheckConfig, log: Callable[[str], None] | None
     check = KVPressCheck(cfg, log)
     check.setup()
     data = check.run()
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    data["plots"] = write_plot(data, out) if cfg.png else []
-    (out / "results.json").write_text(json.dumps(data, indent=1))
-    (out / "results.md").write_text(to_markdown(data))
+    write_results(data, Path(cfg.out_dir), png=cfg.png)
     return data
+
+
+def write_results(data: dict[str, Any], out: Path, *, png: bool) -> None:
+    """results.json (replaced atomically: a check stopped while writing keeps the previous one), results.md and,
+    with ``png``, the plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    data["plots"] = write_plot(data, out) if png else []
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(out / "results.json")
+    (out / "results.md").write_text(to_markdown(data))
 
 
 def cmd_kvpress_check(args: argparse.Namespace) -> int:
@@ -727,7 +782,8 @@ def cmd_kvpress_check(args: argparse.Namespace) -> int:
                              protocols=None if args.protocol == "all" else [args.protocol],
                              tasks=_names(args.tasks) if args.tasks else None, samples=args.samples,
                              kvpress_params=args.kvpress_params,
-                             n_threads=args.threads, png=not args.no_png, progress=not args.no_progress)
+                             n_threads=args.threads, png=not args.no_png, progress=not args.no_progress,
+                             resume=args.resume)
     data = run_kvpress_check(cfg)
     print(to_markdown(data) if args.print_tables else f"wrote {Path(cfg.out_dir) / 'results.md'}")
     return 0
@@ -752,6 +808,8 @@ def register_cli(sub: Any) -> None:
     p.add_argument("--kvpress-params", action="store_true",
                    help="kvpress's own window/kernel/sink sizes instead of ours")
     p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--resume", action="store_true",
+                   help="go on from OUT/results.json of a stopped check (written after every prefill)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--print-tables", action="store_true", help="print the markdown at the end")
