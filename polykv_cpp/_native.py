@@ -126,6 +126,13 @@ void llama_backend_free(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 const char * llama_print_system_info(void);
 bool llama_supports_gpu_offload(void);
+bool llama_supports_rpc(void);
+
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
+void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+void ggml_backend_register(ggml_backend_reg_t reg);
+size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
 
 struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
 void llama_model_free(struct llama_model * model);
@@ -332,6 +339,56 @@ def load():
         lib.llama_backend_init()
         _lib = lib
         return lib
+
+
+_rpc_servers: dict[str, int] = {}
+
+
+def _check_reachable(endpoint: str, timeout: float = 5.0) -> None:
+    """ggml-rpc aborts the process when it cannot connect: try the connection first, to say so instead."""
+    import socket
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise NativeError(f"RPC server {endpoint}: cannot connect ({e}); start ggml-rpc-server there "
+                          "(`ggml-rpc-server -H ADDRESS -p PORT`)") from None
+
+
+def add_rpc_servers(endpoints: str | list[str]) -> dict[str, int]:
+    """Register llama.cpp RPC servers (``host:port``, a list or one comma-separated string; each a running
+    ``ggml-rpc-server``) as devices, as llama.cpp's ``--rpc`` does: models loaded afterwards in this process put
+    their offloaded layers (``n_gpu_layers``) and those layers' KV caches there. Returns endpoint -> devices.
+    A server is asked for its devices once per process (registering it twice would list its devices twice)."""
+    if isinstance(endpoints, str):
+        endpoints = endpoints.split(",")
+    endpoints = [e.strip() for e in endpoints]
+    for e in endpoints:
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise NativeError(f"RPC server {e!r}: expected host:port (e.g. 192.168.1.20:50052)")
+    lib = load()
+    with _lock:
+        if not lib.llama_supports_rpc():
+            raise NativeError("this build has no RPC backend (built with -DPOLYKV_RPC=OFF)")
+        reg = lib.ggml_backend_reg_by_name(b"RPC")
+        add = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_rpc_add_server")
+        if add == ffi.NULL:
+            raise NativeError("the RPC backend has no ggml_backend_rpc_add_server")
+        add_server = ffi.cast("ggml_backend_reg_t (*)(const char *)", add)
+        for e in endpoints:
+            if e in _rpc_servers:
+                continue
+            _check_reachable(e)
+            mark = log_mark()
+            server = add_server(e.encode())
+            if server == ffi.NULL:
+                raise NativeError(f"RPC server {e}: no devices (is ggml-rpc-server running there? "
+                                  f"{log_since(mark, GGML_LOG_LEVEL_WARN) or 'no detail logged'})")
+            lib.ggml_backend_register(server)
+            _rpc_servers[e] = int(lib.ggml_backend_reg_dev_count(server))
+    return {e: _rpc_servers[e] for e in endpoints}
 
 
 def version_info() -> dict[str, str]:

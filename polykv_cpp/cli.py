@@ -21,7 +21,7 @@ from pathlib import Path
 from polykv_cpp import __version__
 from polykv_cpp.errors import PolyKVError
 
-TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench")
+TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench", "ggml-rpc-server")
 # sub-commands that live in their own modules: each has register_cli(subparsers)
 EXTENSIONS = ("polykv_cpp.models", "polykv_cpp.plan", "polykv_cpp.plan_view", "calibration.cli",
               "polykv_cpp.evaluation.cli", "polykv_cpp.evaluation.kvpress_check", "polykv_cpp.llama_cpp_python")
@@ -66,7 +66,11 @@ def cmd_run(args) -> int:
     prompt = _read_prompt(args)
     _native.set_verbose(args.verbose)
     t0 = time.perf_counter()
-    with Model(model_path, n_gpu_layers=args.n_gpu_layers) as model:
+    n_gpu_layers = args.n_gpu_layers
+    if args.rpc:
+        _native.add_rpc_servers(args.rpc)
+        n_gpu_layers = 99 if n_gpu_layers is None else n_gpu_layers
+    with Model(model_path, n_gpu_layers=n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
         plan = model.resolve_plan(args.plan, use_gguf=args.plan_from_gguf)
         if args.protect_tail is not None:
@@ -229,6 +233,9 @@ def add_run_parser(sub) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=None,
                    help="layers offloaded to the GPU (99: all; default: LLAMA_ARG_N_GPU_LAYERS, else 0)")
+    p.add_argument("--rpc", metavar="HOST:PORT[,...]", default=None,
+                   help="put the layers (and their KV caches, plan-sized) on these ggml-rpc-server instances, as "
+                        "llama.cpp's --rpc does; -ngl defaults to 99 then")
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("-ctk", "--cache-type-k", default="f16")
     p.add_argument("-ctv", "--cache-type-v", default="f16")
