@@ -602,7 +602,7 @@ def _decode_inputs(dec: Pattern, cand: np.ndarray, *, row: np.ndarray, acc: np.n
 def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None, prefill_budget: int,
              decode: Pattern | str | None, decode_budget: int,
              keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None,
-             stats: QueryStatistics | None = None) -> SimResult:
+             stats: QueryStatistics | None = None, evict_every: int = 1) -> SimResult:
     """Reference of one layer's cache through a prompt of ``n_prompt`` tokens and then
     ``T - n_prompt`` generated tokens.
 
@@ -626,7 +626,8 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
        beyond ``obs_window`` is dropped); if ``len(cand) > decode_budget`` the decode pattern selects
        ``decode_budget`` of ``cand`` with ``attn = a_t[:, None, :]`` (TOVA), ``acc`` (H2O), the ring buffer
        (SnapKV), or the keys (K-norm); positional rules need nothing. Evicted tokens leave the accumulator and
-       ring buffer. ``decode=None`` never evicts.
+       ring buffer. ``decode=None`` never evicts. With ``evict_every`` k > 1 (the plan key) the selection runs
+       only once ``len(cand) >= decode_budget + k``; in between the cache grows and every token is scored.
     """
     logits = np.asarray(logits, dtype=np.float64)
     n_head, T, T2 = logits.shape
@@ -666,7 +667,7 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
         cand, row, acc, ring = _decode_step(logits, t, kept, acc, ring, w_obs)
         res.decode_rows.append(row)
         res.decode_cand.append(cand)
-        if dec is not None and len(cand) > decode_budget:
+        if dec is not None and len(cand) >= decode_budget + evict_every:
             idx = dec.select(decode_budget, n_key=len(cand),
                              **_decode_inputs(dec, cand, row=row, acc=acc, ring=ring, keys=keys))
             cand = cand[idx]
@@ -681,7 +682,8 @@ def simulate(logits: np.ndarray, n_prompt: int, *, prefill: Pattern | str | None
 def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill: Pattern | str | None,
                    prefill_budget: int, decode: Pattern | str | None, decode_budget: int,
                    keys: np.ndarray | None = None, recon_attn: np.ndarray | None = None,
-                   stats: QueryStatistics | None = None, adaptive: bool = False) -> list[SimResult]:
+                   stats: QueryStatistics | None = None, adaptive: bool = False,
+                   evict_every: int = 1) -> list[SimResult]:
     """Per-head selection: :func:`simulate` for every KV head on its own, one :class:`SimResult` per KV head.
 
     ``logits`` are ``[n_head, T, T]`` over query heads and ``keys`` ``[n_head_kv, T, head_dim]``. KV head ``g``
@@ -689,12 +691,14 @@ def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill
     GQA grouping of llama.cpp and transformers) and its own keys: its scores are the mean over those query
     heads, its decode queries attend over its own kept tokens only. Each head keeps ``budget`` tokens, unless
     ``adaptive``: then every compression splits the layer's ``n_head_kv x budget`` between the heads by
-    :func:`select_adaptive` (Ada-KV), the same steps otherwise.
+    :func:`select_adaptive` (Ada-KV), the same steps otherwise. ``evict_every``: as in :func:`simulate` per
+    head; adaptive, the decode selection runs once the heads hold ``n_head_kv x (decode_budget + k)`` together.
     """
     if adaptive:
         return _simulate_adaptive(logits, n_prompt, n_head_kv, prefill=_as_pattern(prefill),
                                   prefill_budget=prefill_budget, decode=_as_pattern(decode),
-                                  decode_budget=decode_budget, keys=keys, recon_attn=recon_attn, stats=stats)
+                                  decode_budget=decode_budget, keys=keys, recon_attn=recon_attn, stats=stats,
+                                  evict_every=evict_every)
     logits = np.asarray(logits, dtype=np.float64)
     n_head = logits.shape[0]
     if n_head_kv < 1 or n_head % n_head_kv:
@@ -704,7 +708,7 @@ def simulate_heads(logits: np.ndarray, n_prompt: int, n_head_kv: int, *, prefill
                      decode=decode, decode_budget=decode_budget,
                      keys=None if keys is None else np.asarray(keys)[g:g + 1],
                      recon_attn=None if recon_attn is None else np.asarray(recon_attn)[g * r:(g + 1) * r],
-                     stats=None if stats is None else stats.head(g, r))
+                     stats=None if stats is None else stats.head(g, r), evict_every=evict_every)
             for g in range(n_head_kv)]
 
 
@@ -827,7 +831,7 @@ def allocated_decode_budget(plan_prefill: int, plan_decode: int | None, prefill:
 
 
 def _simulate_adaptive(logits, n_prompt, n_head_kv, *, prefill, prefill_budget, decode, decode_budget, keys,
-                       recon_attn, stats) -> list[SimResult]:
+                       recon_attn, stats, evict_every: int = 1) -> list[SimResult]:
     """:func:`simulate_heads` with ``adaptive``: :func:`simulate`'s steps per KV head, every compression by
     :func:`select_adaptive` over all heads at once."""
     logits = np.asarray(logits, dtype=np.float64)
@@ -874,7 +878,8 @@ def _simulate_adaptive(logits, n_prompt, n_head_kv, *, prefill, prefill_budget, 
             res[g].decode_cand.append(c)
             cand.append(c)
             rows.append(row)
-        if decode is not None and decode.name != "fullkv":
+        due = evict_every <= 1 or sum(len(c) for c in cand) >= n_head_kv * (decode_budget + evict_every)
+        if decode is not None and decode.name != "fullkv" and due:
             if decode.query_rows == "none" and not decode.needs_keys:
                 raise ValueError(f"{decode.name} selects the same tokens in every head: not adaptive")
             sc = [decode.scores(decode_budget, len(cand[g]), **_decode_inputs(

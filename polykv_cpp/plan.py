@@ -82,6 +82,8 @@ STREAM_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm"
 #: the largest ``prefill_slack`` a plan may name (the native parser's bound; a slack beyond the context is the
 #: context)
 MAX_PREFILL_SLACK = 1e6
+#: the largest ``evict_every``: a layer's cache holds up to ``budget + evict_every - 1`` tokens between evictions
+MAX_EVICT_EVERY = 65536
 GGUF_KEY_PLAN = "polykv.plan"
 GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
@@ -555,6 +557,11 @@ class Plan:
             budget (the question at the end of a prompt compressed whole): each budgeted layer's budgets (both
             phases) grow by it and its prefill window by as much (:meth:`tail_applied`, which the runtime runs after
             any rescaling). The budgets, ``budget_avg`` and :meth:`scaled` count the context without the tail.
+        evict_every: decode only: a layer is brought back to its decode budget once it holds ``evict_every``
+            tokens more than the budget (per KV head; an adaptive layer: in all its heads together), not after
+            every generated token: selection and compaction run once per ``evict_every`` tokens, the cache holds up
+            to ``budget + evict_every - 1`` tokens between them. 1 (the default): after every token. At most
+            :data:`MAX_EVICT_EVERY`.
     """
 
     version: int
@@ -571,12 +578,13 @@ class Plan:
     prefill_slack: float | None = None
     allocation: str = "plan"
     protect_tail: int = 0
+    evict_every: int = 1
 
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (the v1 schema; ``followup``, ``stream``, ``prefill_slack``, ``allocation`` and
-        ``protect_tail`` only when they are not the default)."""
+        """JSON-ready dict (the v1 schema; ``followup``, ``stream``, ``prefill_slack``, ``allocation``,
+        ``protect_tail`` and ``evict_every`` only when they are not the default)."""
         d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
@@ -599,6 +607,8 @@ class Plan:
             d["allocation"] = self.allocation
         if self.protect_tail:
             d["protect_tail"] = self.protect_tail
+        if self.evict_every != 1:
+            d["evict_every"] = self.evict_every
         return d
 
     @classmethod
@@ -617,8 +627,8 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "layers",
-                   "provenance"}
+                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "evict_every",
+                   "layers", "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -654,6 +664,11 @@ class Plan:
             tail = 0  # absent or null, as the native parser
         elif not _is_int(tail) or not 0 <= tail <= INT32_MAX:
             raise PlanError(f"plan: 'protect_tail' must be an integer from 0 to {INT32_MAX} (got {tail!r})")
+        every = d.get("evict_every")
+        if every is None:
+            every = 1  # absent or null, as the native parser
+        elif not _is_int(every) or not 1 <= every <= MAX_EVICT_EVERY:
+            raise PlanError(f"plan: 'evict_every' must be an integer from 1 to {MAX_EVICT_EVERY} (got {every!r})")
         layers = d.get("layers")
         if not isinstance(layers, list):
             raise PlanError("plan: 'layers' must be a list")
@@ -663,7 +678,7 @@ class Plan:
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
             exact_total=exact, full_charge=fc, followup=followup, stream=stream, prefill_slack=slack,
-            allocation=allocation, protect_tail=tail,
+            allocation=allocation, protect_tail=tail, evict_every=every,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -751,6 +766,8 @@ class Plan:
             parts.append("budgets re-split per prompt by its scores")
         if self.protect_tail:
             parts.append(f"the prompt's last {self.protect_tail} tokens kept on top")
+        if self.evict_every != 1:
+            parts.append(f"decode evicts every {self.evict_every} tokens")
         m = self.provenance.model
         if m is not None and (m.name or m.arch):
             parts.append(f"model: {m.name or m.arch}")
@@ -810,6 +827,8 @@ class Plan:
             raise PlanError(f"allocation must be one of {', '.join(ALLOCATION_MODES)} (got {self.allocation!r})")
         if not _is_int(self.protect_tail) or not 0 <= self.protect_tail <= INT32_MAX:
             raise PlanError(f"protect_tail must be an integer from 0 to {INT32_MAX} (got {self.protect_tail!r})")
+        if not _is_int(self.evict_every) or not 1 <= self.evict_every <= MAX_EVICT_EVERY:
+            raise PlanError(f"evict_every must be an integer from 1 to {MAX_EVICT_EVERY} (got {self.evict_every!r})")
 
         for lp in self.layers:
             scored = [ph for ph in PHASES if lp.phase(ph).pattern in PER_HEAD_PATTERNS]
@@ -943,7 +962,8 @@ class Plan:
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
                     full_charge=charge, followup=self.followup, stream=self.stream,
-                    prefill_slack=self.prefill_slack, allocation=self.allocation, protect_tail=self.protect_tail)
+                    prefill_slack=self.prefill_slack, allocation=self.allocation, protect_tail=self.protect_tail,
+                    evict_every=self.evict_every)
 
     def tail_applied(self, n_ctx: int | None = None, caps: Sequence[int | None] | None = None) -> "Plan":
         """The plan the runtime runs for :attr:`protect_tail`: every budgeted layer's budget grows by the tail in

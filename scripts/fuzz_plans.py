@@ -36,7 +36,7 @@ HOSTILE = [-1, 0, 1, 3, 2**31 - 1, 2**31, 2**63, -(2**63), 1e308, -1e-308, 0.5, 
            [1, 2], {"a": 1}, "1", "NaN"]
 KEYS = ["pattern", "budget", "share", "n_sink", "window", "obs_window", "pool_kernel", "selection", "version",
         "n_layer", "budget_avg", "b_min", "layers", "layer", "prefill", "decode", "exact_total", "budget_rule",
-        "full_charge", "provenance", "colour"]
+        "full_charge", "provenance", "evict_every", "colour"]
 N_LAYER = 2
 
 

@@ -81,6 +81,13 @@ CASES = {
     "protect_tail a float": (edit(GOOD, ["protect_tail"], 2.5), False),
     "protect_tail a bool": (edit(GOOD, ["protect_tail"], True), False),
     "protect_tail beyond int32": (edit(GOOD, ["protect_tail"], 2**31), False),
+    "evict_every 16": (edit(GOOD, ["evict_every"], 16), True),
+    "evict_every 65536": (edit(GOOD, ["evict_every"], 65536), True),
+    "evict_every null (absent)": (edit(GOOD, ["evict_every"], None), True),
+    "evict_every 0": (edit(GOOD, ["evict_every"], 0), False),
+    "evict_every 65537": (edit(GOOD, ["evict_every"], 65537), False),
+    "evict_every a float": (edit(GOOD, ["evict_every"], 1.5), False),
+    "evict_every a string": (edit(GOOD, ["evict_every"], "8"), False),
 }
 
 

@@ -259,7 +259,8 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "evict_every",
+                          "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -307,6 +308,11 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             plan.allocation_prompt = f.get<std::string>() == "prompt";
         }
         plan.protect_tail = get_int(doc, "protect_tail", 0, "plan", 0);
+        plan.evict_every  = get_int(doc, "evict_every", 1, "plan", 1);
+        if (plan.evict_every > LLAMA_POLYKV_MAX_EVICT_EVERY) {
+            throw std::runtime_error("plan: 'evict_every' must be in [1, " + std::to_string(LLAMA_POLYKV_MAX_EVICT_EVERY) +
+                                     "] (got " + std::to_string(plan.evict_every) + ")");
+        }
         if (!doc.contains("layers") || !doc.at("layers").is_array()) {
             throw std::runtime_error("plan: 'layers' must be a list");
         }

@@ -30,6 +30,9 @@ enum llama_polykv_selection {
 // adaptive selection: every KV head keeps at least its best max(1, budget / LLAMA_POLYKV_ADAPTIVE_FLOOR_DIV) tokens (Ada-KV's
 // safeguard, 20% as kvpress's AdaKVPress), so one head holds at most what the others' floors leave of the layer's cells
 #define LLAMA_POLYKV_ADAPTIVE_FLOOR_DIV 5
+
+// the largest "evict_every" (polykv_cpp.plan.MAX_EVICT_EVERY)
+#define LLAMA_POLYKV_MAX_EVICT_EVERY 65536
 int32_t llama_polykv_adaptive_floor(int32_t budget);
 int32_t llama_polykv_adaptive_cap(int32_t budget, int32_t n_head_kv);
 
@@ -89,6 +92,9 @@ struct llama_polykv_plan {
     // question at the end of a prompt compressed whole): llama_polykv_plan_resolve adds them to each budgeted layer's
     // budgets (both phases, a sliding-window layer up to its window) and to its prefill window, after any rescaling
     int32_t  protect_tail = 0;
+    // "evict_every": decode evicts a layer once it holds evict_every tokens more than its decode budget (per KV head;
+    // an adaptive layer in all its heads together), not after every token; 1: after every token
+    int32_t  evict_every = 1;
 
     std::vector<std::array<llama_polykv_phase_plan, 2>> layers; // [il][phase]
 };

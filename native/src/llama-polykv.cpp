@@ -282,7 +282,9 @@ uint32_t llama_kv_cache_poly::group_cells(const group & grp, bool whole_prompt) 
         if (grp.is_swa) {
             keep = std::min(keep, hparams.n_swa);
         }
-        cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + n_ubatch);
+        // decode: evict_every - 1 tokens more than the budget between evictions, then the next step's tokens
+        const uint32_t room = p == LLAMA_POLYKV_PHASE_DECODE ? std::max(n_ubatch, (uint32_t) plan.evict_every) : n_ubatch;
+        cap = std::max(cap, keep >= n_ctx ? n_ctx : keep + room);
     }
     return std::min(n_ctx, pad_to(cap, grp.pad));
 }
@@ -1014,6 +1016,36 @@ void llama_kv_cache_poly::score_prompt_kvzip(llama_context * lctx, const llama_t
     kvzip_scored = true;
 }
 
+bool llama_kv_cache_poly::decode_evict_due(const group & grp) const {
+    const auto & pp = grp.phase[LLAMA_POLYKV_PHASE_DECODE];
+    if (plan.evict_every <= 1 || pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
+        return true; // every step (FullKV and sliding-window recycling are evict()'s business)
+    }
+    // tokens held per KV head (an adaptive layer: all heads together, against n_head_kv budgets)
+    uint64_t held = 0;
+    uint64_t n_units = 1;
+    if (grp.per_head) {
+        std::vector<uint64_t> per(grp.n_head_kv, 0);
+        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+            for (uint32_t c = 0; c < grp.capacity; ++c) {
+                per[h] += grp.hpos[(size_t) h*grp.capacity + c] >= 0;
+            }
+        }
+        if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE) {
+            for (uint64_t x : per) {
+                held += x;
+            }
+            n_units = grp.n_head_kv;
+        } else {
+            held = *std::max_element(per.begin(), per.end());
+        }
+    } else {
+        held = n_used_cells(grp);
+    }
+    // due once evict_every tokens above the budget, or when the next token would find no free cell
+    return held >= n_units * ((uint64_t) pp.budget + plan.evict_every) || n_used_cells(grp) >= grp.capacity;
+}
+
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
     bool any_scores = false;
     for (const auto & grp : groups) {
@@ -1041,7 +1073,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
         if (decode) {
-            if (!keeps_followups()) {
+            if (!keeps_followups() && decode_evict_due(grp)) {
                 evict(grp, grp.phase[phase]);
             }
         } else if (!prefill_exact && grp.stream < 0 && !probing) {

@@ -289,6 +289,8 @@ private:
     bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams || probing; }
     // "followup": "keep" once the prompt was compressed: nothing is evicted any more, the groups grow instead
     bool keeps_followups() const { return plan.followup_keep && prompt_done; }
+    // after a decode step: the plan's evict_every says whether this group evicts now
+    bool decode_evict_due(const group & grp) const;
     uint32_t n_used_cells(const group & grp) const;
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
