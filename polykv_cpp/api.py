@@ -750,6 +750,16 @@ class Context:
         if self._lib.llama_polykv_set_phase(self.ptr, code) != 0:
             raise NativeError(ffi.string(self._lib.llama_polykv_last_error()).decode("utf-8", "replace"))
 
+    def decode_timing(self) -> tuple[float, int]:
+        """(milliseconds, steps): host time the evictions after decode steps took since the context was created
+        (reading the scores, selecting, freeing and compacting cells; not the wait for the computation), and the
+        decode steps it covers. Without a plan: (0.0, 0)."""
+        ms = ffi.new("double *")
+        n = ffi.new("int64_t *")
+        if self._lib.llama_polykv_get_decode_timing(self.ptr, ms, n) != 0:
+            return 0.0, 0
+        return float(ms[0]), int(n[0])
+
     def set_prompt_probing(self, on: bool) -> bool:
         """FINCH probing (chunked prefill with a plan): while on, each prompt ubatch keeps its tokens until
         `probe_prompt` scores them (or, without a probe, until the next prompt ubatch evicts by the chunk's own last

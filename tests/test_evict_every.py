@@ -79,10 +79,15 @@ def test_capacity_has_room_for_the_tokens_between_evictions(twin, tokens):
                     ctx.decode([t], phase="decode")
                 caps = {s.capacity for s in ctx.kv_layer_stats()}
                 used = {s.used for s in ctx.kv_layer_stats()}
+                ms, steps = ctx.decode_timing()
+            assert steps == N and ms > 0.0  # the host time of the decode steps' evictions, step by step
         # one ubatch of room with k = 1; budget + k (padded to 32 cells) with k = 300; the prompt was compressed
         # to the budget as it streamed, and with k = 300 no decode step evicted since
         assert caps == ({64} if k == 1 else {320})
         assert used == ({B_DECODE} if k == 1 else {B_DECODE + N})
+    with Model(path) as model, model.context(n_ctx=256) as ctx:
+        ctx.decode(tokens[:P])
+        assert ctx.decode_timing() == (0.0, 0)  # no plan
 
 
 def test_evict_every_round_trips_and_is_written_only_when_set():

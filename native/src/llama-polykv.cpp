@@ -1070,6 +1070,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     }
     const bool decode = is_decode(ubatch);
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
+    const int64_t t_start_us = ggml_time_us();
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
         if (decode) {
@@ -1084,6 +1085,10 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     probe_due = probing && !prefill_exact && !decode;
     prompt_pending = compresses_at_decode() && !decode;
     prompt_done = prompt_done || decode;
+    if (decode) {
+        t_decode_select_us += ggml_time_us() - t_start_us;
+        n_decode_steps += 1;
+    }
 }
 
 //
@@ -1475,6 +1480,27 @@ int32_t llama_polykv_set_prompt_probing(struct llama_context * ctx, bool on) {
         poly->set_prompt_probing(on);
         return (int64_t) 0;
     });
+}
+
+int32_t llama_polykv_get_decode_timing(const struct llama_context * ctx, double * select_ms, int64_t * n_steps) {
+    const auto polys = get_polys(ctx);
+    if (polys.empty()) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    int64_t us = 0;
+    int64_t n  = 0;
+    for (const auto * poly : polys) {
+        us += poly->decode_select_us();
+        n  += poly->decode_steps();
+    }
+    if (select_ms) {
+        *select_ms = us / 1000.0;
+    }
+    if (n_steps) {
+        *n_steps = n;
+    }
+    return 0;
 }
 
 int32_t llama_polykv_set_phase(struct llama_context * ctx, int32_t phase) {

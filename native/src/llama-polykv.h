@@ -216,6 +216,9 @@ public:
 
     // the phase of the next ubatches: -1 auto (a ubatch of one token is a decode step), else LLAMA_POLYKV_PHASE_*
     void set_phase(int32_t phase) { phase_set = phase; }
+    // host time of the evictions after decode steps (llama_polykv_get_decode_timing)
+    int64_t decode_select_us() const { return t_decode_select_us; }
+    int64_t decode_steps() const { return n_decode_steps; }
 
     // feed the probe after the prompt so far, read its rows into the score state, remove it, evict every group to
     // its streaming budget by its prompt pattern; returns the cells freed. Throws on misuse
@@ -269,6 +272,8 @@ private:
 
     // the prompt was compressed (or decoding started): tokens fed from now on are a follow-up (plan.followup_decode)
     bool prompt_done = false;
+    int64_t t_decode_select_us = 0;
+    int64_t n_decode_steps = 0;
 
     bool kvzip_active = false; // a reconstruction pass is running
     bool kvzip_scored = false; // the prompt in the cache was scored by one
