@@ -133,6 +133,10 @@ ggml_backend_reg_t ggml_backend_reg_by_name(const char * name);
 void * ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
 void ggml_backend_register(ggml_backend_reg_t reg);
 size_t ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+int ggml_backend_dev_type(ggml_backend_dev_t device);
 
 struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
 void llama_model_free(struct llama_model * model);
@@ -340,6 +344,18 @@ def load():
         lib.llama_backend_init()
         _lib = lib
         return lib
+
+
+GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU = 1, 2
+
+
+def has_gpu() -> bool:
+    """A local GPU device (CUDA, Metal, ...) is there. Not `llama_supports_gpu_offload`, which is also true of a
+    build with the RPC backend and no GPU; RPC servers added by :func:`add_rpc_servers` count as GPUs here."""
+    lib = load()
+    return any(lib.ggml_backend_dev_type(lib.ggml_backend_dev_get(i)) in (GGML_BACKEND_DEVICE_TYPE_GPU,
+                                                                         GGML_BACKEND_DEVICE_TYPE_IGPU)
+               for i in range(lib.ggml_backend_dev_count()))
 
 
 _rpc_servers: dict[str, int] = {}

@@ -199,7 +199,7 @@ fi
 export POLYKV_CPP_LIB_DIR=$OUT_BIN POLYKV_CPP_BIN_DIR=$OUT_BIN
 export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 step import 120 "$PY" -c "from polykv_cpp import _native; i=_native.version_info(); print(i); \
-print('gpu offload:', bool(_native.load().llama_supports_gpu_offload()))"
+print('gpu offload:', _native.has_gpu())"
 
 # ---- probe: load a tiny model, offload it, decode; on a crash, try llama.cpp's load switches one by one -------
 PROBE=$BUILD/probe.gguf

@@ -35,7 +35,7 @@ GPU_PAD = 256
 
 def gpu_available() -> bool:
     try:
-        return bool(_native.load().llama_supports_gpu_offload())
+        return _native.has_gpu()  # not llama_supports_gpu_offload: true of any build with the RPC backend
     except Exception:
         return False
 

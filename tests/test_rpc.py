@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -82,7 +83,8 @@ def run_child(path, plan_file, selection, endpoint=""):
     env = {**os.environ, "LLAMA_ARG_REPACK": "0"}  # the server's CPU runs ggml's plain kernels: so does local
     r = subprocess.run([sys.executable, "-c", CHILD, str(path), str(plan_file), endpoint, selection,
                         json.dumps(prompt)],
-                       capture_output=True, text=True, timeout=300, env=env)
+                       capture_output=True, text=True, timeout=300, env=env,
+                       cwd=Path(path).parent)  # not the source tree: the installed package, with its library
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 

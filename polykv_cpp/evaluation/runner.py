@@ -242,8 +242,7 @@ def resolve_model(name_or_path: str) -> Path:
 def gpu_layers(requested: int) -> tuple[int, str]:
     from polykv_cpp import _native
 
-    lib = _native.load()
-    has_gpu = bool(lib.llama_supports_gpu_offload())
+    has_gpu = _native.has_gpu()
     if requested < 0:
         n = 999 if has_gpu else 0
     else:
