@@ -361,13 +361,19 @@ def has_gpu() -> bool:
 _rpc_servers: dict[str, int] = {}
 
 
+def _split_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise NativeError(f"RPC server {endpoint!r}: expected host:port (e.g. 192.168.1.20:50052)")
+    return host.strip("[]"), int(port)
+
+
 def _check_reachable(endpoint: str, timeout: float = 5.0) -> None:
     """ggml-rpc aborts the process when it cannot connect: try the connection first, to say so instead."""
     import socket
 
-    host, _, port = endpoint.rpartition(":")
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+        socket.create_connection(_split_endpoint(endpoint), timeout=timeout).close()
     except OSError as e:
         raise NativeError(f"RPC server {endpoint}: cannot connect ({e}); start ggml-rpc-server there "
                           "(`ggml-rpc-server -H ADDRESS -p PORT`)") from None
@@ -382,9 +388,7 @@ def add_rpc_servers(endpoints: str | list[str]) -> dict[str, int]:
         endpoints = endpoints.split(",")
     endpoints = [e.strip() for e in endpoints]
     for e in endpoints:
-        host, sep, port = e.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise NativeError(f"RPC server {e!r}: expected host:port (e.g. 192.168.1.20:50052)")
+        _split_endpoint(e)
     lib = load()
     with _lock:
         if not lib.llama_supports_rpc():
