@@ -90,6 +90,7 @@ class LayerStats:
     n_evicted: int
     bytes: int
     bytes_fullkv: int
+    cell_pad: int  # capacity is a multiple of it: 32 cells on the CPU, 256 on a GPU
 
 
 def layer_stats(lib, ctx_ptr) -> list[LayerStats]:
@@ -104,7 +105,8 @@ def layer_stats(lib, ctx_ptr) -> list[LayerStats]:
                        pattern_prefill=ffi.string(name(s.pattern_prefill)).decode(),
                        pattern_decode=ffi.string(name(s.pattern_decode)).decode(),
                        budget_prefill=s.budget_prefill, budget_decode=s.budget_decode, capacity=s.capacity,
-                       used=s.used, n_evicted=s.n_evicted, bytes=s.bytes, bytes_fullkv=s.bytes_fullkv)
+                       used=s.used, n_evicted=s.n_evicted, bytes=s.bytes, bytes_fullkv=s.bytes_fullkv,
+                       cell_pad=lib.llama_polykv_layer_cell_pad(ctx_ptr, s.layer))
             for s in buf]
 
 

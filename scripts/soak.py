@@ -16,7 +16,8 @@ Pass criteria, written next to the numbers (``--out`` JSON, and .md/.png beside 
 ``--warmup`` tokens) stays within 2% of its first value, tokens/s of the last block is >= 0.9x the first block
 after warm-up, and no loop that FullKV does not show: every block's distinct-4-gram share is at least half of
 FullKV's in the same block (without a FullKV run: at least 0.3). ``--resume`` keeps the configurations an
-earlier run of the same settings already wrote to ``--out``.
+earlier run of the same settings already wrote to ``--out``. ``--repeat-penalty`` adds llama.cpp's repetition
+penalty to every configuration's sampling, FullKV's included.
 
     python scripts/soak.py                                   # 20K tokens, budget 256, plan + SnapKV + FullKV
     python scripts/soak.py --configs plan,snapkv,streamingllm,fullkv --resume    # adds StreamingLLM
@@ -47,6 +48,8 @@ PROMPT = ("Write a very long, complete tutorial on the Python standard library. 
 RSS_TOLERANCE = 0.02
 SPEED_RATIO = 0.9
 MIN_DISTINCT_4GRAMS = 0.3  # without a FullKV run
+#: sampling settings older result files do not name (their runs used these)
+SAMPLING_DEFAULTS = {"repeat_penalty": 1.0, "repeat_last_n": 64}
 LOOP_RATIO = 0.5  # a block with less than half of FullKV's distinct 4-grams (same block) repeats more than FullKV
 
 
@@ -76,9 +79,14 @@ def tail_loop_length(tokens: list[int], max_period: int = 32) -> int:
 
 
 def sample_token(logits: np.ndarray, rng: np.random.Generator, banned: np.ndarray, temperature: float,
-                 top_k: int, top_p: float) -> int:
-    """Temperature, top-k, then top-p (nucleus) sampling with the end-of-generation tokens masked out."""
+                 top_k: int, top_p: float, *, recent: list[int] = (), repeat_penalty: float = 1.0) -> int:
+    """Repetition penalty, temperature, top-k, then top-p (nucleus) sampling with the end-of-generation tokens
+    masked out. The penalty is llama.cpp's (``--repeat-penalty``): the logit of every token among ``recent`` is
+    divided by it when positive and multiplied by it when not."""
     logits = logits.astype(np.float64)
+    if repeat_penalty != 1.0 and len(recent):
+        seen = np.unique(np.asarray(recent, dtype=np.int64))
+        logits[seen] = np.where(logits[seen] > 0, logits[seen] / repeat_penalty, logits[seen] * repeat_penalty)
     logits[banned] = -np.inf
     top = np.argpartition(-logits, top_k)[:top_k]
     top = top[np.argsort(-logits[top])]
@@ -121,7 +129,9 @@ def worker(spec: dict) -> None:
     out: list[int] = []
     t_block = time.perf_counter()
     for i in range(spec["tokens"]):
-        tok = sample_token(ctx.logits(), rng, banned, spec["temperature"], spec["top_k"], spec["top_p"])
+        tok = sample_token(ctx.logits(), rng, banned, spec["temperature"], spec["top_k"], spec["top_p"],
+                           recent=out[-spec["repeat_last_n"]:] if spec["repeat_last_n"] else [],
+                           repeat_penalty=spec["repeat_penalty"])
         out.append(tok)
         ctx.decode([tok])
         if (i + 1) % spec["every"] == 0 or i + 1 == spec["tokens"]:
@@ -175,9 +185,16 @@ def verdict(cfg: dict, warmup: int, fullkv: dict | None) -> dict:
             "speed_ok": speed_ratio >= SPEED_RATIO, "min_distinct_4grams": min_distinct, "no_loop": loop_ok}
 
 
+def penalty_text(report: dict) -> str:
+    """", repeat penalty P over the last N tokens" when the run used one."""
+    p = report.get("repeat_penalty", SAMPLING_DEFAULTS["repeat_penalty"])
+    return "" if p == 1.0 else f", repeat penalty {p} over the last {report['repeat_last_n']} tokens"
+
+
 def write_report(report: dict, md_path: Path | None, png_path: Path | None) -> str:
     lines = [f"{report['tokens']} tokens per configuration, budget {report['kv_budget']}, sampling T="
-             f"{report['temperature']} top-k {report['top_k']} top-p {report['top_p']} seed {report['seed']}, "
+             f"{report['temperature']} top-k {report['top_k']} top-p {report['top_p']} seed {report['seed']}"
+             f"{penalty_text(report)}, "
              f"{report['threads']} threads, warm-up {report['warmup']} tokens", "",
              "| config | KV MiB (first -> last) | RSS MiB after warm-up (first -> last, drift) | tok/s (first -> last "
              "after warm-up) | min distinct 4-grams | evicted | pass |", "|---|---|---|---|---|---|---|"]
@@ -232,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=40)
     ap.add_argument("--top-p", type=float, default=0.95)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeat-penalty", type=float, default=1.0,
+                    help="llama.cpp's repetition penalty over the last --repeat-last-n tokens (1.0: off, its default)")
+    ap.add_argument("--repeat-last-n", type=int, default=64)
     ap.add_argument("--configs", default="plan,snapkv,fullkv",
                     help="plan, fullkv, or pattern names (uniform at --kv-budget), comma-separated")
     ap.add_argument("--resume", action="store_true", help="keep the configurations --out already holds")
@@ -255,11 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: unknown {', '.join(unknown) or 'empty list'} (plan, fullkv or {', '.join(PATTERN_NAMES)})")
     base = {"model": str(model_path), "kv_budget": args.kv_budget, "tokens": args.tokens, "every": args.every,
             "n_ubatch": args.n_ubatch, "threads": args.threads, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "seed": args.seed}
+            "seed": args.seed, "repeat_penalty": args.repeat_penalty, "repeat_last_n": args.repeat_last_n}
     done: dict[str, dict] = {}
     if args.resume and args.out.exists():
         old = json.loads(args.out.read_text())
-        if any(old.get(k) != v for k, v in base.items() if k != "model") or old.get("plan") != args.plan:
+        if any(old.get(k, SAMPLING_DEFAULTS.get(k)) != v for k, v in base.items() if k != "model") or old.get("plan") != args.plan:
             raise SystemExit(f"soak: {args.out} holds a run of other settings; use another --out or drop --resume")
         done = {c["name"]: c for c in old["configs"]}
     configs = []

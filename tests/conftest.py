@@ -39,6 +39,24 @@ def cli_exe() -> list[str]:
     return [exe] if exe else [sys.executable, "-m", "polykv_cpp.cli"]
 
 
+def padded(n_cells: int, pad: int) -> int:
+    """``n_cells`` rounded up to a multiple of ``pad`` (a layer's ``LayerStats.cell_pad``: 32 cells on the CPU, 256
+    on a GPU), as the library sizes caches."""
+    return -(-n_cells // pad) * pad
+
+
+def cell_pad_of(model_path, **model_kw) -> int:
+    """The padding the library gives layer 0's cache of ``model_path`` (opened as the CLI and the tests open it,
+    with ``LLAMA_ARG_N_GPU_LAYERS`` deciding the device), read from a context with a small plan."""
+    from polykv_cpp.api import Model
+    from polykv_cpp.plan import uniform_plan
+
+    with Model(model_path, **model_kw) as model:
+        model.set_plan(uniform_plan(model.n_layer, "streamingllm", 8, n_sink=1))
+        with model.context(n_ctx=256) as ctx:
+            return ctx.kv_layer_stats()[0].cell_pad
+
+
 def run_cli(cli_exe, *args, timeout=600, env=None):
     return subprocess.run([*cli_exe, *map(str, args)], capture_output=True, text=True, errors="replace",
                           timeout=timeout, env=env)

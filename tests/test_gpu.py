@@ -138,7 +138,7 @@ def test_gpu_caches_have_the_plan_size(twin, tokens):
             stats = ctx.kv_layer_stats()
     assert len(stats) == CFG.n_layer
     for s in stats:
-        assert s.capacity == GPU_PAD  # B_PREFILL + n_ubatch = 84 cells, padded to 256 on a GPU
+        assert s.capacity == s.cell_pad == GPU_PAD  # B_PREFILL + n_ubatch = 84 cells, padded to 256 on a GPU
         assert s.used == B_PREFILL  # the 48 tokens are one prompt ubatch
         assert s.bytes * (2048 // GPU_PAD) == s.bytes_fullkv
 

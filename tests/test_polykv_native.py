@@ -12,6 +12,7 @@ from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import NativeError, PlanError
 from polykv_cpp.patterns import pattern_from_phase_plan, simulate
+from conftest import padded
 from tiny_models import TinyConfig, write_tiny_gguf
 
 torch = pytest.importorskip("torch")
@@ -142,7 +143,7 @@ def test_prefill_slack_that_holds_the_prompt_equals_exact_in_smaller_caches(twin
                                                                               flash_attn):
     """Slack 2: the 40-token prompt (three ubatches of 16) streams into 2 x 20 kept tokens without eviction and
     is compressed when decoding starts, scored by its last tokens: the reference's kept sets, in caches of
-    pad32(40 + 16) cells instead of n_ctx."""
+    40 + 16 cells (padded: 64 on the CPU) instead of n_ctx."""
     _, path = twin
     layer = 1
     plan = one_layer_plan(layer, pattern)
@@ -157,7 +158,8 @@ def test_prefill_slack_that_holds_the_prompt_equals_exact_in_smaller_caches(twin
     with Model(path) as model:
         model.set_plan(plan, prefill_slack=2.0)
         with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
-            assert {s.layer: s.capacity for s in ctx.kv_layer_stats()}[layer] == 64
+            s = {s.layer: s for s in ctx.kv_layer_stats()}[layer]
+            assert s.capacity == min(256, padded(2 * B_PREFILL + 16, s.cell_pad))
 
 
 def test_prefill_slack_bounds_the_streaming_prompt_and_compresses_before_the_answer(twin, tokens):
@@ -185,10 +187,11 @@ def test_chunked_prefill_bounds_the_cache_and_differs_from_exact(twin, tokens):
     assert len(chunked[0]) == B_PREFILL
     assert [len(k) for k in chunked[1:]] == [B_DECODE] * N == [len(k) for k in exact[1:]]
     with Model(path) as model:
-        for mode, cells in (("chunked", 64), ("exact", 256)):  # pad32(20 + 16) vs n_ctx
+        for mode in ("chunked", "exact"):  # budget + one ubatch, padded (64 cells on the CPU), vs n_ctx
             model.set_plan(plan, prefill=mode)
             with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
-                assert {s.layer: s.capacity for s in ctx.kv_layer_stats()}[1] == cells
+                s = {s.layer: s for s in ctx.kv_layer_stats()}[1]
+                assert s.capacity == (min(256, padded(B_PREFILL + 16, s.cell_pad)) if mode == "chunked" else 256)
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
@@ -231,9 +234,11 @@ def test_per_layer_caches_are_really_smaller(tmp_path):
         with model.context(n_ctx=4096, n_ubatch=256, n_batch=256) as ctx:
             stats = {s.layer: s for s in ctx.kv_layer_stats()}
             assert stats[0].capacity == 4096 and stats[0].pattern_prefill == "fullkv"
-            # budget + one ubatch of headroom, padded to 32 cells on the CPU
-            assert stats[1].capacity == 320 and stats[2].capacity == 320 and stats[1].group == stats[2].group
-            assert stats[3].capacity == 576 and stats[3].group not in (stats[0].group, stats[1].group)
+            # budget + one ubatch of headroom, padded (320 and 576 cells on the CPU, 512 and 768 on a GPU)
+            pad = stats[1].cell_pad
+            assert pad == stats[3].cell_pad and pad in (32, 256)
+            assert stats[1].capacity == stats[2].capacity == padded(64 + 256, pad) and stats[1].group == stats[2].group
+            assert stats[3].capacity == padded(300 + 256, pad) and stats[3].group not in (stats[0].group, stats[1].group)
             for s in stats.values():
                 assert s.bytes * 4096 == s.bytes_fullkv * s.capacity
             assert stats[1].bytes < stats[0].bytes / 7
@@ -497,6 +502,17 @@ def test_sequence_end_survives_evicting_the_newest_token_everywhere(twin, tokens
                 assert ctx.pos_max() == i
                 dropped_everywhere += all(i not in ctx.kept_positions(il) for il in range(CFG.n_layer))
     assert dropped_everywhere > 0  # the case this test is about happened
+
+
+def test_cells_are_padded_to_32_on_the_cpu(twin):
+    _, path = twin
+    with Model(path, n_gpu_layers=0) as model:
+        model.set_plan(one_layer_plan(1, "h2o"))
+        with model.context(n_ctx=256, n_batch=16, n_ubatch=16) as ctx:
+            stats = ctx.kv_layer_stats()
+            assert [s.cell_pad for s in stats] == [32] * CFG.n_layer
+            assert stats[1].capacity == padded(B_PREFILL + 16, 32) == 64
+            assert ctx._lib.llama_polykv_layer_cell_pad(ctx.ptr, CFG.n_layer) == -1
 
 
 def test_state_of_another_plan_with_more_score_rows_is_refused(twin, tokens):

@@ -45,6 +45,21 @@ def test_sampler_masks_banned_and_follows_top_k(soak):
     assert {soak.sample_token(logits, rng, np.array([3]), 1.0, 40, 0.01) for _ in range(20)} == {7}
 
 
+def test_repeat_penalty_is_llama_cpps(soak):
+    """llama.cpp's penalty divides a recent token's positive logit and multiplies a negative one: with 9 vs 8 and
+    penalty 2 on token 7, token 11 (8) beats 7 (4.5); a negative recent logit moves further down."""
+    rng = np.random.default_rng(0)
+    logits = np.full(50, -30.0, dtype=np.float32)
+    logits[[7, 11]] = [9.0, 8.0]
+    assert {soak.sample_token(logits, rng, np.array([], dtype=np.int64), 0.01, 40, 1.0) for _ in range(10)} == {7}
+    pick = {soak.sample_token(logits, rng, np.array([], dtype=np.int64), 0.01, 40, 1.0, recent=[7, 7, 2],
+                              repeat_penalty=2.0) for _ in range(10)}
+    assert pick == {11}
+    logits[[7, 11]] = [-1.0, -1.5]
+    assert {soak.sample_token(logits, rng, np.array([], dtype=np.int64), 0.01, 40, 1.0, recent=[7],
+                              repeat_penalty=2.0) for _ in range(10)} == {11}
+
+
 def test_loop_verdict_is_relative_to_fullkv(soak):
     def run(*distinct):
         return {"blocks": [{"tokens": 100 * (i + 1), "rss_bytes": 1000, "tok_per_s": 10.0, "distinct_4grams": d}

@@ -1621,6 +1621,14 @@ int32_t llama_polykv_layer_per_head(const struct llama_context * ctx, int32_t il
     return poly->get_group(poly->group_of(il)).per_head ? 1 : 0;
 }
 
+int32_t llama_polykv_layer_cell_pad(const struct llama_context * ctx, int32_t il) {
+    auto * poly = get_poly(ctx);
+    if (!poly || il < 0 || il >= poly->get_plan().n_layer || poly->group_of(il) < 0) {
+        return -1;
+    }
+    return (int32_t) poly->get_group(poly->group_of(il)).pad;
+}
+
 const char * llama_polykv_pattern_str(int32_t pattern) {
     return llama_polykv_pattern_name(pattern);
 }
