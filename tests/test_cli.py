@@ -96,6 +96,27 @@ def test_bad_input_gives_clear_error(cli_exe, tiny_gguf, tmp_path, args, needle)
     assert "Traceback" not in proc.stderr
 
 
+def test_run_evict_every_batches_decode_eviction(cli_exe, tiny_gguf, tmp_path):
+    """--evict-every K overrides the plan's: the cache grows K - 1 tokens above the budget before an eviction brings
+    it back (5 decode steps after a prompt compressed to 32: 37 held with K = 8, 32 with the plan's own K = 1)."""
+    from polykv_cpp.plan import uniform_plan
+
+    sidecar = tmp_path / "plan.json"
+    sidecar.write_text(uniform_plan(2, "streamingllm", 32, n_sink=4).to_json())
+    used = {}
+    for k in (None, 8):
+        proc = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar, "-p", "the cat " * 30, "-n", "6", "-c", "2048",
+                       "-ub", "128", "--no-echo", "-v", *(["--evict-every", k] if k else []))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        used[k] = [line.split(" used ")[1].split()[0] for line in proc.stderr.splitlines() if " used " in line
+                   and "[polykv-cpp]   layer" in line]
+    assert used == {None: ["32", "32"], 8: ["37", "37"]}
+    bad = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar, "-p", "x", "-n", "2", "--evict-every", "0")
+    assert bad.returncode == 2 and "evict_every must be an integer from 1 to 65536" in bad.stderr
+    bad = run_cli(cli_exe, "run", tiny_gguf, "-p", "x", "-n", "2", "--evict-every", "8")
+    assert bad.returncode == 2 and "--evict-every needs a plan" in bad.stderr
+
+
 def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
     from polykv_cpp.plan import uniform_plan, write_gguf
 

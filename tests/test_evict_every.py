@@ -9,6 +9,7 @@ adaptive. Between evictions the cache holds up to budget + k - 1 tokens, and its
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from polykv_cpp import plan as plan_mod
@@ -98,3 +99,59 @@ def test_evict_every_round_trips_and_is_written_only_when_set():
     assert "evict_every" not in plan.to_dict()  # the default is not written: older builds read the plan
     assert "decode evicts every 8 tokens" in every(plan, 8).summary()
     # both parsers' verdicts on bad values: tests/test_plan_parsers_agree.py
+
+
+K_IDLE = 5  # above the observation window of 2: after the eviction at step 1, steps 2-4 and 7-8 compute no rows
+IDLE_PARAMS = {"snapkv": dict(n_sink=0, window=2, obs_window=2, pool_kernel=3),
+               "pyramidkv": dict(n_sink=1, window=0, obs_window=2, pool_kernel=3), "tova": dict(window=1)}
+
+
+def idle_plan(layer: int, pattern: str, selection: str) -> plan_mod.Plan:
+    plan = one_layer_plan(layer, pattern)
+    lp = plan.layers[layer]
+    for phase in ("prefill", "decode"):
+        setattr(lp, phase, dataclasses.replace(getattr(lp, phase), selection=selection, **IDLE_PARAMS[pattern]))
+    return every(plan, K_IDLE)
+
+
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+@pytest.mark.parametrize("selection", ["layer", "head", "adaptive"])
+@pytest.mark.parametrize("pattern", sorted(IDLE_PARAMS))
+def test_steps_far_from_an_eviction_compute_no_rows_and_keep_the_same_sets(twin, tokens, hf_reference, pattern,
+                                                                           selection, flash_attn):
+    """A decode step more than the window's length before its layer's eviction computes no attention rows (its
+    scores would leave the window before any eviction reads them): the kept sets still equal the reference's, which
+    scores every step, and the window's scores are empty on the idle steps (the ring restarts)."""
+    _, path = twin
+    layer = 1
+    plan = idle_plan(layer, pattern, selection)
+    pp = plan.layers[layer]
+    logp, keys = hf_reference[layer]
+    heads = [None] if selection == "layer" else list(range(CFG.n_head_kv))
+    scores = []
+    with Model(path) as model:
+        model.set_plan(plan)
+        with model.context(n_ctx=256, n_batch=512, n_ubatch=512, flash_attn=flash_attn, type_k="f32",
+                           type_v="f32") as ctx:
+            ctx.decode(tokens[:P])
+            kept = [[ctx.kept_positions(layer, h) for h in heads]]
+            for t in tokens[P:]:
+                ctx.decode([t])
+                kept.append([ctx.kept_positions(layer, h) for h in heads])
+                scores.append(ctx.kept_scores(layer, heads[0]))
+    kw = dict(prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
+              decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys, evict_every=K_IDLE)
+    if selection == "layer":
+        ref = [simulate(logp, P, **kw)]
+    else:
+        ref = simulate_heads(logp, P, CFG.n_head_kv, adaptive=selection == "adaptive", **kw)
+    for i, h in enumerate(heads):
+        assert kept[0][i] == ref[i].prefill_kept.tolist(), f"head {h} after prefill"
+        for step in range(N):
+            assert kept[step + 1][i] == ref[i].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
+    held = [len(kept[s][0]) for s in range(1, N + 1)]
+    if selection != "adaptive":
+        assert held == [16, 17, 18, 19, 20, 16, 17, 18]  # evictions at steps 1 and 6
+    if pattern != "tova":  # SnapKV's window: nothing on the idle steps 2-4 and 7-8, rows on 5 and 6
+        idle = [not np.any(s) for s in scores]
+        assert idle == [False, True, True, True, False, False, True, True]

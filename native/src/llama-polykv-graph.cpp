@@ -212,7 +212,7 @@ void llama_polykv_build_scores(
         grp.t_ea_sum = record ? s1 : nullptr;
         grp.t_ea_sq  = record ? s2 : nullptr;
     }
-    if (kvzip ? !grp.needs(LLAMA_POLYKV_KVZIP) : !grp.needs_rows()) {
+    if (kvzip ? !grp.needs(LLAMA_POLYKV_KVZIP) : !grp.needs_rows() || (grp.rows_idle && record)) {
         return;
     }
 

@@ -864,6 +864,9 @@ static int32_t decode_transient(llama_context * lctx, llama_seq_id seq, const st
 }
 
 void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
+    for (auto & grp : groups) {
+        grp.rows_idle = decode_rows_idle(grp, ubatch);
+    }
     if (!prompt_pending || kvzip_active || probe_active) {
         return;
     }
@@ -1017,9 +1020,13 @@ void llama_kv_cache_poly::score_prompt_kvzip(llama_context * lctx, const llama_t
 }
 
 bool llama_kv_cache_poly::decode_evict_due(const group & grp) const {
+    return decode_tokens_to_eviction(grp) == 0;
+}
+
+uint64_t llama_kv_cache_poly::decode_tokens_to_eviction(const group & grp) const {
     const auto & pp = grp.phase[LLAMA_POLYKV_PHASE_DECODE];
     if (plan.evict_every <= 1 || pp.pattern == LLAMA_POLYKV_FULLKV || pp.budget < 0) {
-        return true; // every step (FullKV and sliding-window recycling are evict()'s business)
+        return 0; // every step (FullKV and sliding-window recycling are evict()'s business)
     }
     // tokens held per KV head (an adaptive layer: all heads together, against n_head_kv budgets)
     uint64_t held = 0;
@@ -1042,8 +1049,32 @@ bool llama_kv_cache_poly::decode_evict_due(const group & grp) const {
     } else {
         held = n_used_cells(grp);
     }
-    // due once evict_every tokens above the budget, or when the next token would find no free cell
-    return held >= n_units * ((uint64_t) pp.budget + plan.evict_every) || n_used_cells(grp) >= grp.capacity;
+    // due once evict_every tokens above the budget, or when the next token would find no free cell; a decode
+    // token adds one token to every head (n_units to an adaptive layer's sum) and takes one cell
+    const uint64_t due_held = n_units * ((uint64_t) pp.budget + plan.evict_every);
+    const uint64_t used = n_used_cells(grp);
+    const uint64_t by_held = held >= due_held ? 0 : (due_held - held + n_units - 1) / n_units;
+    const uint64_t by_cells = used >= grp.capacity ? 0 : grp.capacity - used;
+    return std::min(by_held, by_cells);
+}
+
+bool llama_kv_cache_poly::decode_rows_idle(const group & grp, const llama_ubatch & ubatch) const {
+    const auto & pp = grp.phase[LLAMA_POLYKV_PHASE_DECODE];
+    if (plan.evict_every <= 1 || ubatch.n_tokens != 1 || !is_decode(ubatch) || prompt_pending || kvzip_active ||
+        probe_active || keeps_followups() || grp.collect_all || grp.needs(LLAMA_POLYKV_H2O)) {
+        return false; // H2O adds every row to its accumulator
+    }
+    // the rows the decode pattern reads at an eviction: its observation window (SnapKV, PyramidKV) or the last
+    // query's (TOVA); positional and key-norm patterns read none
+    uint64_t w = 0;
+    if (pp.pattern == LLAMA_POLYKV_SNAPKV || pp.pattern == LLAMA_POLYKV_PYRAMIDKV) {
+        w = (uint64_t) std::max(grp.ring_size(), 1);
+    } else if (pp.pattern == LLAMA_POLYKV_TOVA) {
+        w = 1;
+    }
+    // the eviction comes after this token (to_go 1) or after one of the next w - 1: its rows are in the window
+    const uint64_t to_go = decode_tokens_to_eviction(grp);
+    return to_go > w;
 }
 
 void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch & ubatch) {
@@ -1073,6 +1104,12 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     const int64_t t_start_us = ggml_time_us();
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
+        if (grp.rows_idle) {
+            // the ring keeps only consecutive recent rows: a prompt fed before the next eviction is scored by its
+            // own queries and the decode rows computed since, not by rows older than the skipped steps
+            grp.ring.clear();
+            grp.rows_idle = false;
+        }
         if (decode) {
             if (!keeps_followups() && decode_evict_due(grp)) {
                 evict(grp, grp.phase[phase]);

@@ -92,6 +92,7 @@ public:
         ggml_tensor * t_ea_sum = nullptr; // [1, d, n_head]: sum of the ubatch's pre-RoPE queries (n_sink on)
         ggml_tensor * t_ea_sq  = nullptr; // [d, d, n_head]: sum of their outer products
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
+        bool rows_idle = false;          // this decode step's attention rows would be read by no eviction (evict_every)
 
         bool layer_scores() const { return !per_head || collect_all; }
         bool head_scores()  const { return per_head || collect_all; }
@@ -296,6 +297,11 @@ private:
     bool keeps_followups() const { return plan.followup_keep && prompt_done; }
     // after a decode step: the plan's evict_every says whether this group evicts now
     bool decode_evict_due(const group & grp) const;
+    // decode tokens still to come before the group's eviction is due (0: due now)
+    uint64_t decode_tokens_to_eviction(const group & grp) const;
+    // before a decode step: no eviction will read its attention rows (the group evicts more than its decode
+    // pattern's observation window of tokens later), so its graph computes none
+    bool decode_rows_idle(const group & grp, const llama_ubatch & ubatch) const;
     uint32_t n_used_cells(const group & grp) const;
     // the prefill phase while a prompt streams: the budget times the slack (at most n_ctx)
     llama_polykv_phase_plan streaming_phase(const llama_polykv_phase_plan & pp) const;
