@@ -15,8 +15,6 @@ from polykv_cpp.patterns import pattern_from_phase_plan, simulate
 from conftest import padded
 from tiny_models import TinyConfig, write_tiny_gguf
 
-torch = pytest.importorskip("torch")
-
 CFG = TinyConfig(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128, n_vocab=384)
 P, N = 40, 8          # prompt tokens (one ubatch), teacher-forced decode steps
 B_PREFILL, B_DECODE = 20, 16
@@ -33,7 +31,8 @@ PHASE_PARAMS = {
 
 @pytest.fixture(scope="module")
 def twin(tmp_path_factory):
-    """(transformers model, path of its GGUF twin)."""
+    """(transformers model, path of its GGUF twin). Needs torch: the tests without the twin run without it."""
+    pytest.importorskip("torch")
     from tiny_models import tiny_hf_qwen2, write_qwen2_gguf_from_hf
 
     hf = tiny_hf_qwen2(CFG, seed=3)
@@ -50,6 +49,7 @@ def tokens():
 @pytest.fixture(scope="module")
 def hf_reference(twin, tokens):
     """Per layer: attention log-probabilities [n_head, T, T] and post-projection keys [n_head_kv, T, d]."""
+    torch = pytest.importorskip("torch")
     hf, _ = twin
     hf.config._attn_implementation = "eager"
     keys = {}
