@@ -166,6 +166,8 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_PREFILL": "sideways"}),
         Case("environment", "`LLAMA_POLYKV_PREFILL_SLACK=-1`", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_PREFILL_SLACK": "-1"}),
+        Case("environment", "`LLAMA_POLYKV_EVICT_EVERY=0`", ["{py}", _ENV.format(model=str(model))],
+             env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_EVICT_EVERY": "0"}),
         Case("C API", "`llama_polykv_get_kept_positions` of layer 99 in a 2-layer model",
              ["{py}", _C_API.format(model=str(model))]),
         Case("state file", "random bytes", ["{py}", _STATE.format(model=str(model), state=_bytes_file(

@@ -155,3 +155,28 @@ def test_steps_far_from_an_eviction_compute_no_rows_and_keep_the_same_sets(twin,
     if pattern != "tova":  # SnapKV's window: nothing on the idle steps 2-4 and 7-8, rows on 5 and 6
         idle = [not np.any(s) for s in scores]
         assert idle == [False, True, True, True, False, False, True, True]
+
+
+def test_env_var_sets_evict_every_for_any_plan(twin, tokens, monkeypatch):
+    """LLAMA_POLYKV_EVICT_EVERY (the stock tools' --evict-every) overrides the plan's k; a bad value is refused."""
+    from polykv_cpp.errors import NativeError
+
+    _, path = twin
+    plan = plan_mod.uniform_plan(CFG.n_layer, "streamingllm", B_DECODE, n_sink=2)
+    used = {}
+    for k in (None, "8"):
+        if k:
+            monkeypatch.setenv("LLAMA_POLYKV_EVICT_EVERY", k)
+        with Model(path) as model:
+            model.set_plan(plan)
+            with model.context(n_ctx=256) as ctx:
+                ctx.decode(tokens[:P], phase="prefill")
+                for t in tokens[P:P + 5]:
+                    ctx.decode([t], phase="decode")
+                used[k] = {s.used for s in ctx.kv_layer_stats()}
+    assert used == {None: {B_DECODE}, "8": {B_DECODE + 5}}
+    monkeypatch.setenv("LLAMA_POLYKV_EVICT_EVERY", "0")
+    with Model(path) as model:
+        model.set_plan(plan)
+        with pytest.raises(NativeError, match="LLAMA_POLYKV_EVICT_EVERY must be an integer from 1 to 65536"):
+            model.context(n_ctx=256)

@@ -1261,6 +1261,16 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     if ((hparams.swa_type != LLAMA_SWA_TYPE_NONE && hparams.swa_type != LLAMA_SWA_TYPE_STANDARD) || hparams.n_pos_per_embd() != 1) {
         throw std::runtime_error("PolyKV: chunked/symmetric sliding-window and multi-position (M-RoPE) models are not supported yet");
     }
+    if (const char * env = getenv("LLAMA_POLYKV_EVICT_EVERY")) {
+        // the stock tools' way to batch decode eviction (polykv-cpp run --evict-every)
+        char * end = nullptr;
+        const long v = strtol(env, &end, 10);
+        if (end == env || *end != '\0' || v < 1 || v > LLAMA_POLYKV_MAX_EVICT_EVERY) {
+            throw std::runtime_error(std::string("PolyKV: LLAMA_POLYKV_EVICT_EVERY must be an integer from 1 to ") +
+                                     std::to_string(LLAMA_POLYKV_MAX_EVICT_EVERY) + ", got '" + env + "'");
+        }
+        plan.evict_every = (int32_t) v;
+    }
     std::vector<int32_t> caps(hparams.n_layer(), 0);
     for (uint32_t il = 0; il < hparams.n_layer(); ++il) {
         caps[il] = llama_polykv_model_layer_window(&model, (int32_t) il);
