@@ -70,6 +70,14 @@ class HeadMean(kvpress.ScorerPress):
         return s.mean(dim=1, keepdim=True).expand_as(s)
 
 
+def _match_rows(rows, known_rows, known_positions, new_position) -> list[int]:
+    """Position of each of ``rows`` [n, d]: the position of the equal row of ``known_rows``, else ``new_position``
+    (at most one row is new)."""
+    eq = (rows[:, None, :] == known_rows[None, :, :]).all(dim=-1)
+    assert (eq.sum(dim=1) <= 1).all() and (eq.sum(dim=1) == 0).sum() <= 1
+    return [known_positions[int(e.float().argmax())] if e.any() else new_position for e in eq]
+
+
 def kvpress_kept(hf, press, ids) -> list[list[list[int]]]:
     """[layer][KV head] -> sorted positions of the keys ``press`` keeps of prompt ``ids`` (found by matching the
     kept key rows against the full cache's rows: kvpress returns them in score order)."""
@@ -77,21 +85,10 @@ def kvpress_kept(hf, press, ids) -> list[list[list[int]]]:
     _, full = shared.run(ids)
     out = []
     for (full_k, _), (kept_k, _) in zip(K.full_layers(full), shared.kept["press"]):
-        heads = []
-        for h in range(full_k.shape[1]):
-            eq = (kept_k[0, h][:, None, :] == full_k[0, h][None, :, :]).all(dim=-1)   # [n_kept, n]
-            assert (eq.sum(dim=1) == 1).all(), "every kept key is one position's key"
-            heads.append(sorted(int(i) for i in eq.float().argmax(dim=1)))
-        out.append(heads)
+        heads = [_match_rows(kept_k[0, h], full_k[0, h], range(len(ids)), None) for h in range(full_k.shape[1])]
+        assert all(None not in pos for pos in heads), "every kept key is one position's key"
+        out.append([sorted(pos) for pos in heads])
     return out
-
-
-def _match_rows(rows, known_rows, known_positions, new_position) -> list[int]:
-    """Position of each of ``rows`` [n, d]: the position of the equal row of ``known_rows``, else ``new_position``
-    (at most one row is new)."""
-    eq = (rows[:, None, :] == known_rows[None, :, :]).all(dim=-1)
-    assert (eq.sum(dim=1) <= 1).all() and (eq.sum(dim=1) == 0).sum() <= 1
-    return [known_positions[int(e.float().argmax())] if e.any() else new_position for e in eq]
 
 
 def kvpress_decode_kept(hf, prefill_press, decode_scorer, ids, steps) -> list[list[list[list[int]]]]:
