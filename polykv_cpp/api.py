@@ -15,7 +15,7 @@ from __future__ import annotations
 import codecs
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -558,13 +558,17 @@ class Context:
 
     # ---- evaluation -------------------------------------------------------------------------------------
     def decode(self, tokens: Sequence[int], *, all_logits: bool = False, probe: Sequence[int] | None = None,
-               phase: str | None = None) -> None:
+               phase: str | None = None, last_logits: bool = True) -> None:
         """Append `tokens` to sequence 0, in chunks of n_batch; logits for the last token (or all).
+
+        `last_logits` False: no logits at all, the tokens are a piece of a prompt that goes on in the next call.
+        With a plan and chunked prefill a prompt is compressed after every n_ubatch tokens counted from its start
+        and after a token with logits, so a prompt fed in pieces without logits keeps what it keeps fed at once.
 
         `phase` (with a plan): what the tokens are, "prefill" (prompt) or "decode" (generated tokens, e.g. several
         verified at once in speculative decoding: one decode step); None guesses from each ubatch, as the stock
-        tools get it (a ubatch of one token is a decode step, so a prompt whose last ubatch is one token is
-        compressed before that token). `generate_tokens` says which.
+        tools get it (a ubatch of one token with logits is a decode step unless it ends a prompt fed without
+        logits). `generate_tokens` says which.
 
         `probe`: tokens that steer what a streaming prompt keeps (FINCH: Corallo & Papotti 2024, "Prompt-guided
         Key-Value Cache Compression"), typically the prompt's own last tokens (its question). With a plan and
@@ -585,7 +589,7 @@ class Context:
         if phase is not None and self.polykv_active:  # for this call; guessed again after it
             self.set_phase(phase)
             try:
-                self.decode(tokens, all_logits=all_logits, probe=probe)
+                self.decode(tokens, all_logits=all_logits, probe=probe, last_logits=last_logits)
             finally:
                 self.set_phase(None)
             return
@@ -599,15 +603,15 @@ class Context:
             step = self.n_ubatch - len(probe)
             try:
                 for start in range(0, len(tokens), step):
-                    self._decode_batches(tokens[start:start + step], all_logits)
+                    self._decode_batches(tokens[start:start + step], all_logits, last_logits)
                     if start + step < len(tokens) and self._n_past + len(probe) <= self.n_ctx:
                         self.probe_prompt(probe)
             finally:
                 self.set_prompt_probing(False)
         else:
-            self._decode_batches(tokens, all_logits)
+            self._decode_batches(tokens, all_logits, last_logits)
 
-    def _decode_batches(self, tokens: list[int], all_logits: bool) -> None:
+    def _decode_batches(self, tokens: list[int], all_logits: bool, last_logits: bool = True) -> None:
         batch = self._batch
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start:start + self.n_batch]
@@ -618,7 +622,7 @@ class Context:
                 batch.pos[i] = self._n_past + i
                 batch.n_seq_id[i] = 1
                 batch.seq_id[i][0] = 0
-                batch.logits[i] = 1 if all_logits or (last_chunk and i == len(chunk) - 1) else 0
+                batch.logits[i] = 1 if all_logits or (last_logits and last_chunk and i == len(chunk) - 1) else 0
             mark = _native.log_mark()
             rc = self._lib.llama_decode(self.ptr, batch)
             if rc != 0:
@@ -626,17 +630,20 @@ class Context:
                 raise NativeError(f"llama_decode failed (code {rc}) at position {self._n_past}: {detail}")
             self._n_past += len(chunk)
 
-    def decode_sequences(self, tokens_by_seq: Mapping[int, Sequence[int]]) -> dict[int, int]:
+    def decode_sequences(self, tokens_by_seq: Mapping[int, Sequence[int]], *,
+                         partial: Collection[int] = ()) -> dict[int, int]:
         """Append tokens to several sequences in one llama_decode call, at most n_batch tokens in all (a context
         created with ``n_seq_max`` > their ids); each sequence continues at its own next position. Returns, per
         sequence, the batch index of its last token, for `logits(i)`. With a plan every sequence has caches of its
-        own, each with the plan's budgets (one ubatch per sequence)."""
+        own, each with the plan's budgets (one ubatch per sequence). The sequences in `partial` get no logits:
+        their tokens are a piece of a prompt that goes on in a later call (as a server feeds a slot's prompt
+        under load)."""
         items = []
         for seq, toks in tokens_by_seq.items():
             if not toks:
                 raise ValueError(f"sequence {seq} has no tokens")
             start = self.pos_max(seq) + 1
-            items += [(tok, start + i, seq, i == len(toks) - 1) for i, tok in enumerate(toks)]
+            items += [(tok, start + i, seq, i == len(toks) - 1 and seq not in partial) for i, tok in enumerate(toks)]
         if len(items) > self.n_batch:
             raise ValueError(f"{len(items)} tokens do not fit one batch of {self.n_batch}")
         batch = self._batch

@@ -21,26 +21,50 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
 
     balloc.split_reset();
 
+    // split_seq takes the tokens of the sequence whose first unused token comes first in the batch, in batch order;
+    // the same walk here says which sequence that is, so that its ubatch ends where its prompt chunk ends
+    const llama_batch & batch = balloc.get_batch();
+    std::vector<std::vector<int32_t>> idxs(seqs.size());
+    for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        const llama_seq_id s = batch.seq_id ? batch.seq_id[i][0] : 0;
+        if ((batch.n_seq_id && batch.n_seq_id[i] != 1) || !get_seq(s)) {
+            if (batch.n_seq_id && batch.n_seq_id[i] != 1) {
+                LLAMA_LOG_ERROR("%s: PolyKV: a token of the batch belongs to %d sequences; with a plan every sequence has caches "
+                                "of its own: decode the token for each sequence, or decode it once and copy it with "
+                                "llama_memory_seq_cp\n", __func__, batch.n_seq_id[i]);
+            } else {
+                LLAMA_LOG_ERROR("%s: PolyKV: sequence %d is out of range (n_seq_max %u)\n", __func__, s, n_seq());
+            }
+            return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+        idxs[s].push_back(i);
+    }
+    std::vector<size_t>   n_taken(seqs.size(), 0);
+    std::vector<uint32_t> open(seqs.size(), 0);
+    for (size_t s = 0; s < seqs.size(); ++s) {
+        open[s] = seqs[s]->get_n_open();
+    }
+
     std::vector<llama_ubatch> ubatches;
     std::vector<llama_kv_cache_poly *> ubatch_kv;
     while (true) {
-        auto ubatch = balloc.split_seq(n_ubatch); // the tokens of one sequence set, in order
-        if (ubatch.n_tokens == 0) {
-            break;
-        }
-        for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-            if (ubatch.n_seq_id[i] != 1) {
-                LLAMA_LOG_ERROR("%s: PolyKV: a token of the batch belongs to %d sequences; with a plan every sequence has caches "
-                                "of its own: decode the token for each sequence, or decode it once and copy it with "
-                                "llama_memory_seq_cp\n", __func__, ubatch.n_seq_id[i]);
-                return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        int32_t next = -1;
+        for (size_t s = 0; s < seqs.size(); ++s) {
+            if (n_taken[s] < idxs[s].size() && (next < 0 || idxs[s][n_taken[s]] < idxs[next][n_taken[next]])) {
+                next = (int32_t) s;
             }
         }
-        auto * poly = get_seq(ubatch.seq_id[0][0]);
-        if (!poly) {
-            LLAMA_LOG_ERROR("%s: PolyKV: sequence %d is out of range (n_seq_max %u)\n", __func__, ubatch.seq_id[0][0], n_seq());
+        if (next < 0) {
+            break;
+        }
+        auto * poly = seqs[next].get();
+        auto ubatch = balloc.split_seq(std::min(n_ubatch, poly->ubatch_room(open[next]))); // the tokens of one sequence, in order
+        if (ubatch.n_tokens == 0 || ubatch.seq_id[0][0] != next) {
+            LLAMA_LOG_ERROR("%s: PolyKV: the batch was split in an unexpected order\n", __func__);
             return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
+        n_taken[next] += ubatch.n_tokens;
+        open[next] = poly->open_after(open[next], ubatch);
         ubatch_kv.push_back(poly);
         ubatches.push_back(std::move(ubatch)); // NOLINT
     }
