@@ -153,3 +153,26 @@ def test_sequences_fed_in_a_servers_interleaved_pieces_keep_what_each_keeps_alon
                 assert kept(ctx, heads, seq=s) == alone[s][0], f"sequence {s}"
                 for got, want in zip(logits[s], alone[s][1]):
                     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_a_prompts_last_token_alone_is_prompt_even_after_a_full_chunk(path, prompt):
+    """A prompt of 4 chunks and one token: its last ubatch is that token, with logits, after a chunk that asked for
+    none. No token was sampled, so it is prompt (evicted by the prefill phase), as when the caller says so."""
+    n = N_UB * 4 + 1
+    plan = uniform_plan(CFG.n_layer, "snapkv", BUDGET, decode_pattern="streamingllm")
+    heads = [None]
+    with Model(path) as model:
+        model.set_plan(plan, prefill="chunked")
+        got = []
+        for how in ("whole", "pieces", "said"):
+            with model.context(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UB, flash_attn="off") as ctx:
+                if how == "whole":
+                    ctx.decode(prompt[:n])
+                elif how == "pieces":
+                    ctx.decode(prompt[:n - 1], last_logits=False)
+                    ctx.decode(prompt[n - 1:n])
+                else:
+                    ctx.decode(prompt[:n], phase="prefill")
+                got.append(kept(ctx, heads))
+        assert got[0] == got[2]
+        assert got[1] == got[2]

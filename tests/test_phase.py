@@ -1,6 +1,7 @@
 """The phase of a ubatch made explicit (`llama_polykv_set_phase`, `Context.decode(..., phase=)`): a prompt whose last
 ubatch is one token stays a prompt, and several generated tokens decoded at once (speculative decoding) are one
-decode step, not a new prompt. Without it the runtime guesses from the ubatch's size, as the stock tools get it."""
+decode step, not a new prompt. Without it the runtime guesses from the ubatch's size and logits, as the stock tools
+get it."""
 
 import numpy as np
 import pytest
@@ -47,9 +48,16 @@ def test_a_prompt_whose_last_ubatch_is_one_token_stays_a_prompt(path, toks, sele
         assert all(len(k) == BUDGET for k in want)
 
         kw = dict(n_ctx=N_CTX, n_batch=N_UB, n_ubatch=N_UB)
-        with model.context(**kw) as ctx:  # guessed: the one-token ubatch is taken for the first decode step
+        with model.context(**kw) as ctx:  # guessed: the one token follows prompt ubatches without logits: prompt
             ctx.decode(prompt)
-            assert all(s.n_evicted > 0 for s in ctx.kv_layer_stats())  # compressed before the prompt's last token
+            assert [(s.used, s.n_evicted) for s in ctx.kv_layer_stats()] == [(len(prompt), 0)] * CFG.n_layer
+            ctx.compress_prompt()
+            assert kept(ctx, per_head) == want
+
+        with model.context(**kw) as ctx:  # the guess fails when the caller took logits before the token
+            ctx.decode(prompt[:-1])
+            ctx.decode(prompt[-1:])  # taken for the first decode step: compressed before the prompt's last token
+            assert all(s.n_evicted > 0 for s in ctx.kv_layer_stats())
             assert all(len(k) == BUDGET + 1 and k[-1] == len(prompt) - 1 for k in kept(ctx, per_head))
 
         with model.context(**kw) as ctx:

@@ -40,9 +40,9 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
         idxs[s].push_back(i);
     }
     std::vector<size_t>   n_taken(seqs.size(), 0);
-    std::vector<uint32_t> open(seqs.size(), 0);
+    std::vector<llama_kv_cache_poly::feed_state> feed(seqs.size());
     for (size_t s = 0; s < seqs.size(); ++s) {
-        open[s] = seqs[s]->get_n_open();
+        feed[s] = seqs[s]->get_feed();
     }
 
     std::vector<llama_ubatch> ubatches;
@@ -58,13 +58,13 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
             break;
         }
         auto * poly = seqs[next].get();
-        auto ubatch = balloc.split_seq(std::min(n_ubatch, poly->ubatch_room(open[next]))); // the tokens of one sequence, in order
+        auto ubatch = balloc.split_seq(std::min(n_ubatch, poly->ubatch_room(feed[next]))); // the tokens of one sequence, in order
         if (ubatch.n_tokens == 0 || ubatch.seq_id[0][0] != next) {
             LLAMA_LOG_ERROR("%s: PolyKV: the batch was split in an unexpected order\n", __func__);
             return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
         n_taken[next] += ubatch.n_tokens;
-        open[next] = poly->open_after(open[next], ubatch);
+        feed[next] = poly->feed_after(feed[next], ubatch);
         ubatch_kv.push_back(poly);
         ubatches.push_back(std::move(ubatch)); // NOLINT
     }

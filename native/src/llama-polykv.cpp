@@ -337,13 +337,13 @@ llama_memory_context_ptr llama_kv_cache_poly::init_batch(llama_batch_allocr & ba
     balloc.split_reset();
 
     std::vector<llama_ubatch> ubatches;
-    uint32_t open = n_open;
+    feed_state fs = feed;
     while (true) {
-        auto ubatch = balloc.split_simple(std::min(n_ubatch, ubatch_room(open)));
+        auto ubatch = balloc.split_simple(std::min(n_ubatch, ubatch_room(fs)));
         if (ubatch.n_tokens == 0) {
             break;
         }
-        open = open_after(open, ubatch);
+        fs = feed_after(fs, ubatch);
         ubatches.push_back(std::move(ubatch)); // NOLINT
     }
 
@@ -390,15 +390,19 @@ void llama_kv_cache_poly::clear(bool data) {
     kvzip_scored = false;
     prompt_done = false;
     pos_next = 0;
-    n_open = 0;
+    feed = feed_state();
 }
 
-uint32_t llama_kv_cache_poly::open_after(uint32_t open, const llama_ubatch & ubatch) const {
-    if (!chunks_aligned() || is_decode(ubatch, open)) {
-        return 0;
+llama_kv_cache_poly::feed_state llama_kv_cache_poly::feed_after(feed_state fs, const llama_ubatch & ubatch) const {
+    const bool output = ubatch.output[ubatch.n_tokens - 1] != 0;
+    if (!chunks_aligned() || is_decode(ubatch, fs)) {
+        fs.n_open = 0;
+    } else {
+        fs.n_open += ubatch.n_tokens;
+        fs.n_open = fs.n_open >= n_ubatch || output ? 0 : fs.n_open;
     }
-    open += ubatch.n_tokens;
-    return open >= n_ubatch || ubatch.output[ubatch.n_tokens - 1] ? 0 : open;
+    fs.prev_output = output;
+    return fs;
 }
 
 bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
@@ -406,8 +410,11 @@ bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1
     if (p1 < 0 || p1 >= pos_next) {
         // the tail is gone: the sequence ends at p0, and the open chunk (its last n_open tokens) with it
         const llama_pos end = std::min(pos_next, std::max<llama_pos>(p0, 0));
-        n_open = (uint32_t) std::max<llama_pos>(0, (llama_pos) n_open - (pos_next - end));
+        feed.n_open = (uint32_t) std::max<llama_pos>(0, (llama_pos) feed.n_open - (pos_next - end));
         pos_next = end;
+        if (pos_next == 0) {
+            feed = feed_state();
+        }
         prompt_done = prompt_done && pos_next > 0;                   // an empty sequence starts a new prompt
     }
     for (auto & grp : groups) {
@@ -624,7 +631,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
     kvzip_scored = false;
-    n_open = 0;
+    feed = feed_state();
     open_unknown = true; // a state saved inside a chunk: the next prompt ubatch evicts it if it does not fit
     bool scored = prompt_pending; // a prompt saved scored by the pass, not compressed yet, carries its scores
     restore_plan_budgets();
@@ -887,7 +894,7 @@ void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
         }
     }
     open_unknown = false;
-    if (no_room || (n_open > 0 && (!chunks_aligned() || is_decode(ubatch) || n_open + ubatch.n_tokens > n_ubatch))) {
+    if (no_room || (feed.n_open > 0 && (!chunks_aligned() || is_decode(ubatch) || feed.n_open + ubatch.n_tokens > n_ubatch))) {
         // the prompt's open chunk ends here (decoding starts, or a ubatch that init_batch did not cut comes):
         // it evicts as it would have after its last ubatch
         for (auto & grp : groups) {
@@ -896,7 +903,7 @@ void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
                 evict(grp, streaming_phase(prompt_phase(grp)));
             }
         }
-        n_open = 0;
+        feed.n_open = 0;
     }
     for (auto & grp : groups) {
         grp.rows_idle = decode_rows_idle(grp, ubatch);
@@ -994,7 +1001,7 @@ uint64_t llama_kv_cache_poly::compress_prompt() {
     prompt_pending = false;
     prompt_done = true;
     probe_due = false;
-    n_open = 0;
+    feed.n_open = 0;
     return n_freed;
 }
 
@@ -1137,7 +1144,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
     const bool decode = is_decode(ubatch);
     const int phase = decode ? LLAMA_POLYKV_PHASE_DECODE : LLAMA_POLYKV_PHASE_PREFILL;
     const int64_t t_start_us = ggml_time_us();
-    n_open = open_after(n_open, ubatch);
+    feed = feed_after(feed, ubatch);
     for (auto & grp : groups) {
         read_scores(grp, ubatch.n_tokens);
         if (grp.rows_idle) {
@@ -1150,7 +1157,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
             if (!keeps_followups() && decode_evict_due(grp)) {
                 evict(grp, grp.phase[phase]);
             }
-        } else if (!prefill_exact && grp.stream < 0 && !probing && n_open == 0) {
+        } else if (!prefill_exact && grp.stream < 0 && !probing && feed.n_open == 0) {
             warn_kvzip_unscored(grp);
             evict(grp, streaming_phase(prompt_phase(grp)));
         } // a streaming group evicts before the next prompt ubatch (before_ubatch), or compresses when decoding starts

@@ -192,13 +192,21 @@ public:
     // before a ubatch is placed: in exact prefill mode, the first decode step first compresses the prompt
     void before_ubatch(const llama_ubatch & ubatch);
 
+    // what the next ubatch's phase and cut depend on: the prompt tokens fed since the last prompt eviction
+    // (chunked prefill) and whether the sequence's last ubatch asked for logits
+    struct feed_state {
+        uint32_t n_open      = 0;
+        bool     prev_output = true;
+    };
     // chunked prefill: a prompt streams in chunks of n_ubatch tokens counted from its first token (or from the
     // last eviction), whatever pieces the caller's batches cut it into, so what is kept does not depend on how a
-    // server shares its batches between slots. init_batch cuts a sequence's next ubatch at `ubatch_room(open)`
-    // tokens, `open` being the prompt tokens fed since the last eviction, which `open_after` advances
-    uint32_t ubatch_room(uint32_t open) const { return chunks_aligned() ? n_ubatch - std::min(open, n_ubatch - 1) : n_ubatch; }
-    uint32_t open_after(uint32_t open, const llama_ubatch & ubatch) const;
-    uint32_t get_n_open() const { return n_open; }
+    // server shares its batches between slots. init_batch cuts a sequence's next ubatch at `ubatch_room` tokens
+    // and follows the state through the batch with `feed_after`
+    const feed_state & get_feed() const { return feed; }
+    uint32_t ubatch_room(const feed_state & fs) const {
+        return chunks_aligned() ? n_ubatch - std::min(fs.n_open, n_ubatch - 1) : n_ubatch;
+    }
+    feed_state feed_after(feed_state fs, const llama_ubatch & ubatch) const;
 
     // after a ubatch was computed: read the score outputs and evict every group down to its budget
     void after_ubatch(llama_context * lctx, const llama_ubatch & ubatch);
@@ -296,20 +304,20 @@ private:
     bool probe_due    = false; // a prompt ubatch has not been evicted yet (no probe came after it so far)
 
     int32_t phase_set = -1; // llama_polykv_set_phase: -1 auto, else the phase of every ubatch
-    // a ubatch of one token with an output is a decode step, unless it comes inside an open prompt chunk (after
-    // prompt tokens without logits, so nothing was sampled): then it is the prompt's last token
-    bool is_decode(const llama_ubatch & ubatch, uint32_t open) const {
-        return phase_set < 0 ? ubatch.n_tokens == 1 && ubatch.output[0] && open == 0 : phase_set == LLAMA_POLYKV_PHASE_DECODE;
+    // a ubatch of one token with logits is a decode step if the sequence's last ubatch asked for logits too (a
+    // token was sampled from them); after prompt tokens without logits it is the prompt's last token
+    bool is_decode(const llama_ubatch & ubatch, const feed_state & fs) const {
+        return phase_set < 0 ? ubatch.n_tokens == 1 && ubatch.output[0] && fs.prev_output : phase_set == LLAMA_POLYKV_PHASE_DECODE;
     }
-    bool is_decode(const llama_ubatch & ubatch) const { return is_decode(ubatch, n_open); }
+    bool is_decode(const llama_ubatch & ubatch) const { return is_decode(ubatch, feed); }
 
     bool compresses_at_decode() const { return prefill_exact || prefill_slack > 1.0f || streams || probing; }
 
     // prompt tokens fed since the last prompt eviction (chunked prefill): a prompt ubatch evicts only when it
     // completes a chunk of n_ubatch tokens or ends with an output (the caller's end of the prompt); otherwise
     // the eviction waits for the rest of the chunk, or for the next decode step
-    uint32_t n_open = 0;
-    bool open_unknown = false; // restored from a state, which does not say
+    feed_state feed;
+    bool open_unknown = false; // restored from a state, which does not record the open chunk
     bool chunks_aligned() const { return !prefill_exact && !streams && !probing && !kvzip_active && !probe_active; }
     // "followup": "keep" once the prompt was compressed: nothing is evicted any more, the groups grow instead
     bool keeps_followups() const { return plan.followup_keep && prompt_done; }
