@@ -37,3 +37,18 @@ def test_server_with_four_slots_answers_concurrent_requests_as_alone(tiny_gguf, 
                            "--max-tokens", "150", "--n-predict", "2", "-c", "8192", "-t", "2", "--out", str(tmp_path / "full")])
     full = json.loads((tmp_path / "full" / "report.json").read_text())
     assert rc == 0 and abs(report["kv_mib"] - full["kv_mib"] * 4 * 576 / 8192) < 0.01  # the logs round to 0.01 MiB
+
+
+def test_a_slots_prompt_cut_by_other_slots_keeps_what_it_keeps_alone(tiny_gguf, tmp_path):
+    """Prompts of 150-300 tokens in ubatches of 32 and batches of 64 shared by 4 slots: under load a batch holds the
+    other slots' decode tokens and a piece of a prompt that ends anywhere, alone it holds whole ubatches. Chunks are
+    cut by position (docs/design.md), so every answer equals the request alone."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(uniform_plan(TinyConfig().n_layer, "snapkv", 48).to_json())
+    out = tmp_path / "load"
+    rc = server_load.main([str(tiny_gguf), "--plan", str(plan), "--clients", "4", "--requests", "2", "--min-tokens",
+                           "150", "--max-tokens", "300", "--n-predict", "8", "-c", "8192", "-t", "2", "--alone",
+                           "--server-args", "-b 64 -ub 32", "--out", str(out)])
+    assert rc == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["requests"] == 8 and report["same_as_alone"] == 8

@@ -415,7 +415,7 @@ bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1
         if (pos_next == 0) {
             feed = feed_state();
         }
-        prompt_done = prompt_done && pos_next > 0;                   // an empty sequence starts a new prompt
+        prompt_done = prompt_done && pos_next > 0; // an empty sequence starts a new prompt
     }
     for (auto & grp : groups) {
         if (grp.per_head && (seq_id < 0 || seq_id == seq)) {
