@@ -176,3 +176,22 @@ def test_a_prompts_last_token_alone_is_prompt_even_after_a_full_chunk(path, prom
                 got.append(kept(ctx, heads))
         assert got[0] == got[2]
         assert got[1] == got[2]
+
+
+def test_pieces_check_finds_no_difference_on_an_fp32_model(path, tmp_path, capsys):
+    """scripts/pieces_check.py (the real-model figures in docs/results.md) on the tiny fp32 model: every set of
+    pieces keeps what the prompt fed at once keeps."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("pieces_check", Path(__file__).parents[1] / "scripts" / "pieces_check.py")
+    pieces_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pieces_check)
+    plan = tmp_path / "plan.json"
+    plan.write_text(uniform_plan(CFG.n_layer, "snapkv", 300).to_json())
+    assert pieces_check.main([str(path), "--plan", str(plan), "--flash-attn", "off"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("plan:")]
+    assert len(lines) == 2
+    # every layer evicted down to its 300 tokens, and kept the same 300 in pieces
+    assert all(f"differ: 0 of {CFG.n_layer}" in line and f"not kept fed at once: 0 of {300 * CFG.n_layer} " in line
+               for line in lines)
