@@ -195,3 +195,22 @@ def test_pieces_check_finds_no_difference_on_an_fp32_model(path, tmp_path, capsy
     # every layer evicted down to its 300 tokens, and kept the same 300 in pieces
     assert all(f"differ: 0 of {CFG.n_layer}" in line and f"not kept fed at once: 0 of {300 * CFG.n_layer} " in line
                for line in lines)
+
+
+@pytest.mark.parametrize("pattern,selection,slack", PLANS[:2])
+def test_a_state_saved_inside_a_chunk_goes_on_as_the_prompt_fed_at_once(path, prompt, pattern, selection, slack):
+    """llama-server saves a slot (its context checkpoints, its prompt cache) wherever a batch ended: the state
+    records the open chunk, so the restored context cuts the rest of the prompt where the saved one would have."""
+    with Model(path) as model:
+        model.set_plan(uniform_plan(CFG.n_layer, pattern, BUDGET, selection=selection), prefill="chunked",
+                       prefill_slack=slack)
+        whole = run(model, prompt, [prompt[:N_PROMPT]])
+        kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UB, flash_attn="off")
+        with model.context(**kw) as ctx:
+            ctx.decode(prompt[:N_UB + 19], last_logits=False)  # a chunk and 19 tokens of the next one
+            saved = ctx.state_bytes()
+        with model.context(**kw) as ctx:
+            ctx.load_state_bytes(saved)
+            ctx.decode(prompt[N_UB + 19:N_PROMPT])
+            assert kept(ctx, [None, 0, 1]) == whole[0]
+            np.testing.assert_allclose(ctx.logits(), whole[2][0], atol=1e-4, rtol=0)

@@ -513,7 +513,8 @@ size_t llama_kv_cache_poly::group_bytes(uint32_t g) const {
     return total;
 }
 
-static const uint32_t POLYKV_STATE_MAGIC    = 0x504b5635; // "PKV5": PKV4 + budgets a per-prompt allocation gave + KVzip scores
+static const uint32_t POLYKV_STATE_MAGIC    = 0x504b5636; // "PKV6": PKV5 + the open prompt chunk (chunked prefill)
+static const uint32_t POLYKV_STATE_MAGIC_V5 = 0x504b5635; // "PKV5": PKV4 + budgets a per-prompt allocation gave + KVzip scores
 static const uint32_t POLYKV_STATE_MAGIC_V4 = 0x504b5634; // "PKV4": still read
 
 // after each group's cells: the score state of every kept token, keyed by position (a restore may place
@@ -521,9 +522,12 @@ static const uint32_t POLYKV_STATE_MAGIC_V4 = 0x504b5634; // "PKV4": still read
 void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id, llama_state_seq_flags flags) const {
     const uint32_t n = groups.size();
     const uint8_t pending = prompt_pending ? 1 : 0;
+    const uint8_t prev_output = feed.prev_output ? 1 : 0;
     io.write(&POLYKV_STATE_MAGIC, sizeof(POLYKV_STATE_MAGIC));
     io.write(&n, sizeof(n));
     io.write(&pending, sizeof(pending));
+    io.write(&feed.n_open, sizeof(feed.n_open));
+    io.write(&prev_output, sizeof(prev_output));
     for (const auto & grp : groups) {
         io.write(&grp.capacity, sizeof(grp.capacity));
         // budgets a per-prompt allocation gave this prompt (the plan's own are not written: any plan of the same
@@ -624,15 +628,29 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
     io.read(&magic, sizeof(magic));
     io.read(&n, sizeof(n));
     io.read(&pending, sizeof(pending));
-    if ((magic != POLYKV_STATE_MAGIC && magic != POLYKV_STATE_MAGIC_V4) || n != groups.size()) {
+    if ((magic != POLYKV_STATE_MAGIC && magic != POLYKV_STATE_MAGIC_V5 && magic != POLYKV_STATE_MAGIC_V4) || n != groups.size()) {
         throw std::runtime_error("PolyKV: the saved state does not come from a context with the same plan "
                                  "(or, in portable prefill mode, from another portable context of this model)");
+    }
+    feed_state saved_feed;
+    if (magic == POLYKV_STATE_MAGIC) {
+        uint8_t prev_output = 1;
+        io.read(&saved_feed.n_open, sizeof(saved_feed.n_open));
+        io.read(&prev_output, sizeof(prev_output));
+        saved_feed.prev_output = prev_output != 0;
+    }
+    // a chunk longer than this context's ubatch (saved with a larger one) is evicted before the next prompt ubatch
+    const bool feed_known = magic == POLYKV_STATE_MAGIC && saved_feed.n_open < n_ubatch;
+    if (!feed_known) {
+        saved_feed.n_open = 0;
     }
     // a prompt saved before its compression is compressed at the next decode step (exact modes, slack)
     prompt_pending = compresses_at_decode() && pending != 0;
     kvzip_scored = false;
-    feed = feed_state();
-    open_unknown = true; // a state saved inside a chunk: the next prompt ubatch evicts it if it does not fit
+    // the prompt chunk left open when the state was saved goes on filling (older formats do not record it: the
+    // next prompt ubatch evicts it if it does not fit)
+    feed = saved_feed;
+    open_unknown = !feed_known;
     bool scored = prompt_pending; // a prompt saved scored by the pass, not compressed yet, carries its scores
     restore_plan_budgets();
     for (uint32_t g = 0; g < groups.size(); ++g) {
