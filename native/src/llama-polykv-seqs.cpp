@@ -26,15 +26,15 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
     const llama_batch & batch = balloc.get_batch();
     std::vector<std::vector<int32_t>> idxs(seqs.size());
     for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        if (batch.n_seq_id && batch.n_seq_id[i] != 1) {
+            LLAMA_LOG_ERROR("%s: PolyKV: a token of the batch belongs to %d sequences; with a plan every sequence has caches "
+                            "of its own: decode the token for each sequence, or decode it once and copy it with "
+                            "llama_memory_seq_cp\n", __func__, batch.n_seq_id[i]);
+            return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
         const llama_seq_id s = batch.seq_id ? batch.seq_id[i][0] : 0;
-        if ((batch.n_seq_id && batch.n_seq_id[i] != 1) || !get_seq(s)) {
-            if (batch.n_seq_id && batch.n_seq_id[i] != 1) {
-                LLAMA_LOG_ERROR("%s: PolyKV: a token of the batch belongs to %d sequences; with a plan every sequence has caches "
-                                "of its own: decode the token for each sequence, or decode it once and copy it with "
-                                "llama_memory_seq_cp\n", __func__, batch.n_seq_id[i]);
-            } else {
-                LLAMA_LOG_ERROR("%s: PolyKV: sequence %d is out of range (n_seq_max %u)\n", __func__, s, n_seq());
-            }
+        if (!get_seq(s)) {
+            LLAMA_LOG_ERROR("%s: PolyKV: sequence %d is out of range (n_seq_max %u)\n", __func__, s, n_seq());
             return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
         }
         idxs[s].push_back(i);

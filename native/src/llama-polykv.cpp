@@ -914,13 +914,8 @@ void llama_kv_cache_poly::before_ubatch(const llama_ubatch & ubatch) {
     open_unknown = false;
     if (no_room || (feed.n_open > 0 && (!chunks_aligned() || is_decode(ubatch) || feed.n_open + ubatch.n_tokens > n_ubatch))) {
         // the prompt's open chunk ends here (decoding starts, or a ubatch that init_batch did not cut comes):
-        // it evicts as it would have after its last ubatch
-        for (auto & grp : groups) {
-            if (grp.stream < 0) {
-                warn_kvzip_unscored(grp);
-                evict(grp, streaming_phase(prompt_phase(grp)));
-            }
-        }
+        // it evicts as it would have after its last ubatch (an open chunk means no group streams)
+        evict_streaming(true);
         feed.n_open = 0;
     }
     for (auto & grp : groups) {
