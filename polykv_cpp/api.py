@@ -752,7 +752,7 @@ class Context:
 
     def set_phase(self, phase: str | None) -> None:
         """The phase the next ubatches are evicted for, until set again: "prefill", "decode", or None (guessed per
-        ubatch: one token is a decode step). `decode(..., phase=...)` sets it for one call."""
+        ubatch: one token with logits after a ubatch with logits is a decode step). `decode(..., phase=...)` sets it for one call."""
         code = {None: -1, "prefill": 0, "decode": 1}.get(phase)
         if code is None:
             raise ValueError(f"phase {phase!r}: expected 'prefill', 'decode' or None")
