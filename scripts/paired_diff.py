@@ -7,6 +7,10 @@ share of the base's gap to FullKV it recovers, each with the paired, task-strati
 whose interval holds 0 is a tie.
 
     python scripts/paired_diff.py results/eval-qwen-4k-10samples/results.json --base snapkv
+    python scripts/paired_diff.py results/eval-qwen-2k-evict-every-12texts/results.json --metric kl --base pool23-e1
+
+``--metric kl`` (or nll, top1) pairs the teacher-forced texts instead: the per-token KL to FullKV of each text,
+the bootstrap drawing texts (one unit each).
 
 Several runs on the same prompts (another prefill mode, a later method) pair as LABEL=PATH: their methods are named
 LABEL:method, and the prompts they share must have the same answers and lengths (checked):
@@ -26,19 +30,28 @@ import numpy as np
 from polykv_cpp.evaluation.report import bootstrap_task_average, interval
 
 
-def method_scores(records: list[dict], protocol: str) -> dict[str, dict[str, dict[tuple, float]]]:
+#: teacher-forced measures (``--metric``): per text, lower is better but for top-1 agreement
+TEXT_METRICS = ("kl", "nll", "top1")
+
+
+def method_scores(records: list[dict], protocol: str, metric: str = "score") -> dict[str, dict[str, dict[tuple, float]]]:
     """``method@budget -> task -> (length, index) -> score`` of the RULER records of one protocol (the budget is
-    after the last ``@``: a method may hold one, as ``snapkv@23``)."""
+    after the last ``@``: a method may hold one, as ``snapkv@23``). With a teacher-forced ``metric`` the perplexity
+    texts' records instead, all in one stratum ``texts`` (one unit per text: the bootstrap draws texts)."""
     scores: dict[str, dict[str, dict[tuple, float]]] = {}
     for r in records:
+        key = r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
+        if metric != "score":
+            if r.get("kind") == "ppl" and r.get(metric) is not None:
+                scores.setdefault(key, {}).setdefault("texts", {})[(r["task"], r["length"], r["index"])] = r[metric]
+            continue
         if r.get("kind", "ruler") != "ruler" or r.get("protocol") != protocol or r.get("score") is None:
             continue
-        key = r["method"] if r["budget"] is None else f"{r['method']}@{r['budget']}"
         scores.setdefault(key, {}).setdefault(r["task"], {})[(r["length"], r["index"])] = r["score"]
     return scores
 
 
-def load_runs(specs: list[str], protocol: str) -> dict[str, dict[str, dict[tuple, float]]]:
+def load_runs(specs: list[str], protocol: str, metric: str = "score") -> dict[str, dict[str, dict[tuple, float]]]:
     """method_scores of one results.json, or of several given as LABEL=PATH (methods named LABEL:method); refuses
     runs whose shared samples differ (answers or prompt length): their scores would not pair."""
     scores: dict[str, dict[str, dict[tuple, float]]] = {}
@@ -56,7 +69,7 @@ def load_runs(specs: list[str], protocol: str) -> dict[str, dict[str, dict[tuple
             if prompts.setdefault(key, this) != this:
                 raise SystemExit(f"paired_diff: {path}: sample {key} differs from the other runs' (answers or prompt "
                                  "length): not the same prompts")
-        for m, v in method_scores(records, protocol).items():
+        for m, v in method_scores(records, protocol, metric).items():
             scores[f"{label}:{m}" if label else m] = v
     return scores
 
@@ -81,12 +94,16 @@ def main(argv=None) -> int:
     p.add_argument("results", nargs="+", help="results.json of polykv-cpp eval, or several as LABEL=PATH")
     p.add_argument("--base", default="snapkv", help="the method the others are compared with (default snapkv)")
     p.add_argument("--protocol", default="query-aware")
+    p.add_argument("--metric", default="score", choices=("score",) + TEXT_METRICS,
+                   help="score: the task scores (default); kl, nll, top1: the teacher-forced texts' per-token KL to "
+                        "FullKV, negative log-likelihood or top-1 agreement, paired per text")
     p.add_argument("--only", help="compare only these methods (comma-separated, METHOD or METHOD@BUDGET; the base "
                                   "and fullkv are added)")
     p.add_argument("--any-budget", action="store_true",
                    help="compare methods at every budget with the base (default: at the base's budget only)")
     args = p.parse_args(argv)
-    scores = load_runs(args.results, args.protocol)
+    scores = load_runs(args.results, args.protocol, args.metric)
+    unit, fmt = (1.0, "{:+.1f}") if args.metric == "score" else (100.0, "{:+.4f}")  # the bootstrap's scale is 0-100
     if args.only:
         keep = set(args.only.split(",")) | {args.base, "fullkv"}
         scores = {m: v for m, v in scores.items()
@@ -116,11 +133,12 @@ def main(argv=None) -> int:
             point = task_average(scores[m]) - task_average(scores[base])
             point_gap = point / (task_average(scores[full_key]) - task_average(scores[base]))
             (d0, d1), (g0, g1) = interval(diff), interval(gap)
-            print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | "
+            print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {fmt.format(point / unit)} "
+                  f"[{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | "
                   f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] |")
         point = task_average(scores[full_key]) - task_average(scores[base])
         d0, d1 = interval(full - reps[base])
-        print(f"| {full_key} | {budget} | {point:+.1f} [{d0:+.1f}, {d1:+.1f}] | 100% |")
+        print(f"| {full_key} | {budget} | {fmt.format(point / unit)} [{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | 100% |")
     return 0
 
 

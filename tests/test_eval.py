@@ -882,6 +882,27 @@ def test_paired_diff_pairs_runs_on_the_same_prompts(tmp_path, capsys):
         mod.main([f"exact={tmp_path / 'e.json'}", f"other={tmp_path / 'x.json'}", "--base", "exact:snapkv"])
 
 
+def test_paired_diff_pairs_teacher_forced_texts_by_metric(tmp_path, capsys):
+    """--metric kl pairs the perplexity texts' KL per text (the bootstrap draws texts): a method whose KL is lower
+    on every text by 0.01 differs by -0.0100 with an interval below 0; FullKV (KL 0) recovers 100%."""
+    mod = _script("paired_diff")
+    recs = []
+    for i, text in enumerate(("email", "json", "http", "xml", "sqlite3", "urllib")):
+        for method, budget, kl in (("fullkv", None, 0.0), ("e1", 256, 0.3 + 0.01 * i), ("e64", 256, 0.29 + 0.01 * i)):
+            recs.append({"kind": "ppl", "task": text, "length": 2048, "index": 0, "protocol": "teacher-forced",
+                         "method": method, "budget": budget, "kl": kl, "nll": 2.0, "top1": 0.8})
+    recs.append({"kind": "ruler", "task": "a", "length": 2048, "index": 0, "protocol": "query-aware",
+                 "method": "e1", "budget": 256, "score": 1.0})  # task records are not mixed in
+    (tmp_path / "r.json").write_text(json.dumps({"records": recs}))
+    assert mod.main([str(tmp_path / "r.json"), "--metric", "kl", "--base", "e1"]) == 0
+    rows = {line.split("|")[1].strip(): line.split("|") for line in capsys.readouterr().out.splitlines()[2:]}
+    diff = rows["e64"][3].strip()
+    assert diff.startswith("-0.0100 [") and float(diff.split("[")[1].split(",")[1].rstrip("]")) < 0
+    assert rows["fullkv"][3].strip().startswith("-0.3250")
+    with pytest.raises(SystemExit, match="no results"):
+        mod.main([str(tmp_path / "r.json"), "--metric", "kl", "--base", "snapkv"])
+
+
 def _script(name: str):
     import importlib.util
 
