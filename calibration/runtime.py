@@ -32,6 +32,7 @@ the plan fits the calibration texts and the budget it was searched at (other bud
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from calibration.core import RUNTIME_PATTERNS
+from calibration.core import CALIBRATED_EVICT_EVERY, RUNTIME_PATTERNS, check_evict_every
 from polykv_cpp.errors import CalibrationError
 from polykv_cpp.evaluation.runner import KVZIP_ROOM
 from polykv_cpp.plan import uses_kvzip
@@ -299,7 +300,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                       objective: str | None = None,
                       budget_moves: bool = True, budgets_from_scores: bool = False,
                       score_pattern: str | None = None, min_gain: float = DEFAULT_MIN_GAIN, plan_out: str | Path | None = None,
-                      n_threads: int | None = None, progress: bool = True,
+                      n_threads: int | None = None, progress: bool = True, evict_every: int = CALIBRATED_EVICT_EVERY,
                       log: Callable[[str], None] | None = None) -> RuntimeCalibration:
     from polykv_cpp import plan as plan_mod
     from polykv_cpp.api import Model
@@ -308,6 +309,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
 
     log = log or (lambda m: print(m, file=sys.stderr))
     t0 = time.time()
+    check_evict_every(evict_every)
     gguf = Path(gguf)
     if not gguf.is_file():
         raise CalibrationError(f"model file not found: {gguf}")
@@ -452,6 +454,8 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                    **({"score_pattern": score_pattern} if score_pattern else {})})
         plan = build(n_layer, pats, buds, budget, b_min, provenance=prov)
 
+    plan = dataclasses.replace(plan, evict_every=evict_every)
+    plan.validate(n_layer)
     res = RuntimeCalibration(plan=plan, out=None, objective=objective, loss_uniform=uniform, loss_plan=cur,
                              steps=steps,
                              n_measured=m.n_measured)

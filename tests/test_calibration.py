@@ -94,6 +94,22 @@ def test_calibrated_plans_pool_snapkv_over_the_calibrated_kernel_unless_told(tin
                 ph.pattern == "fullkv"
 
 
+def test_calibrated_plans_batch_decode_eviction_unless_told(tiny):
+    """A calibrated plan carries "evict_every" CALIBRATED_EVICT_EVERY (64), in the JSON and in the GGUF; the
+    argument sets another, and 1 gives a plan without the key (every token, as plans made before it)."""
+    from calibration.core import CALIBRATED_EVICT_EVERY
+    from polykv_cpp import plan as plan_mod
+
+    d, _ = tiny
+    res = _run(d, "every", budget=24, b_min=8)
+    assert res.plan.evict_every == CALIBRATED_EVICT_EVERY == 64
+    assert plan_mod.read_gguf(d / "every.gguf").evict_every == 64
+    assert '"evict_every": 64' in (d / "every.json").read_text()
+    one = _run(d, "every1", budget=24, b_min=8, evict_every=1)
+    assert one.plan.evict_every == 1 and "evict_every" not in (d / "every1.json").read_text()
+    assert one.plan.layers == res.plan.layers  # the same search; only the key differs
+
+
 def test_signal_shapes_and_ranges(tiny):
     d, model = tiny
     res = _run(d, "shapes", pattern_params=DISTINCT)
@@ -193,6 +209,9 @@ def test_bad_arguments(tiny):
         _run(d, "bad", budget=80)
     with pytest.raises(CalibrationError, match="unknown pattern"):
         _run(d, "bad", patterns=["snapkv", "nope"])
+    for k in (0, 65537, 2.5):
+        with pytest.raises(CalibrationError, match="evict_every must be an integer"):
+            _run(d, "bad", evict_every=k)
     from calibration import calibrate
     with pytest.raises(CalibrationError, match="new file"):
         calibrate(d / "hf", d / "tiny.gguf", d / "tiny.gguf", **SMALL)

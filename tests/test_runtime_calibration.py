@@ -52,6 +52,7 @@ def test_search_returns_a_valid_plan_no_worse_than_the_best_uniform(searched, ti
     assert sum(lp.prefill.budget for lp in plan.layers) == 2 * 48
     assert res.objective == "kl" and all(v > 0 for v in res.loss_uniform.values())
     assert plan_mod.read_gguf(res.out).to_dict()["layers"] == plan.to_dict()["layers"]
+    assert plan.evict_every == plan_mod.read_gguf(res.out).evict_every == 64  # calibrated plans batch decode eviction
     # the search's figures, measured again without it: fresh exact-prefill contexts, KL summed here
     assert _kl_by_hand(tiny_gguf, plan) == pytest.approx(res.loss_plan, rel=1e-3, abs=1e-5)
     best = min(res.loss_uniform, key=res.loss_uniform.get)
@@ -108,6 +109,8 @@ def test_bad_input_is_refused(tiny_gguf, tmp_path):
         runtime_calibrate(tiny_gguf, None, budget=300, ctx=256, n_cont=16, progress=False, log=lambda m: None)
     with pytest.raises(CalibrationError, match="not found"):
         runtime_calibrate(tmp_path / "missing.gguf", None, budget=48, progress=False, log=lambda m: None)
+    with pytest.raises(CalibrationError, match="evict_every must be"):
+        runtime_calibrate(tiny_gguf, None, budget=48, evict_every=0, progress=False, log=lambda m: None)
 
 
 def test_cli_runtime_method(cli_exe, tiny_gguf, tmp_path):
