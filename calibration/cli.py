@@ -41,10 +41,6 @@ def _params(items: list[str] | None) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _evict_every(args: argparse.Namespace) -> int:
-    return CALIBRATED_EVICT_EVERY if args.evict_every is None else args.evict_every
-
-
 def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.method == "runtime":
         return _cmd_runtime(args)
@@ -66,7 +62,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         signal=args.signal, sensitivity=args.sensitivity, budget_rule=args.budget_rule, device=args.device,
         plan_out=args.plan_out, seed=args.seed, text_field=args.text_field, split=args.split,
         pattern_params=_params(args.param), fullkv_below=args.fullkv_below,
-        reuse_signals=not args.no_reuse, progress=not args.quiet, evict_every=_evict_every(args))
+        reuse_signals=not args.no_reuse, progress=not args.quiet, evict_every=args.evict_every)
     plan = res.plan
     print(plan.summary())
     if res.out is not None:
@@ -90,7 +86,7 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
         budget_moves=not args.no_budget_moves, budgets_from_scores=args.budgets_from_scores,
         score_pattern=args.score_pattern, min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads,
-        progress=not args.quiet, evict_every=_evict_every(args))
+        progress=not args.quiet, evict_every=args.evict_every)
     print(res.plan.summary())
     what = {"kl": "KL vs FullKV", "top1": "top-1 misses vs FullKV"}[res.objective]
     print(f"{what} on the calibration continuations: " +
@@ -147,7 +143,7 @@ def register_cli(subparsers: Any) -> None:
                    help="budget sensitivity signal (default entropy)")
     p.add_argument("--fullkv-below", type=float, default=0.9, help="with fullkv among --patterns: layers whose "
                    "best pattern scores below this become FullKV (default 0.9)")
-    p.add_argument("--evict-every", type=int, default=None, metavar="K",
+    p.add_argument("--evict-every", type=int, default=CALIBRATED_EVICT_EVERY, metavar="K",
                    help=f"the plan's \"evict_every\": decode evicts once per K generated tokens (default "
                         f"{CALIBRATED_EVICT_EVERY}; 1: after every token)")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")

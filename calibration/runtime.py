@@ -454,8 +454,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                    **({"score_pattern": score_pattern} if score_pattern else {})})
         plan = build(n_layer, pats, buds, budget, b_min, provenance=prov)
 
-    plan = dataclasses.replace(plan, evict_every=evict_every)
-    plan.validate(n_layer)
+    plan = dataclasses.replace(plan, evict_every=evict_every)  # checked on entry; build() validated the rest
     res = RuntimeCalibration(plan=plan, out=None, objective=objective, loss_uniform=uniform, loss_plan=cur,
                              steps=steps,
                              n_measured=m.n_measured)
