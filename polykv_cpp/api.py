@@ -914,5 +914,5 @@ class Context:
         data = self._lib.llama_perf_context(self.ptr)
         return {
             "prompt_ms": data.t_p_eval_ms, "prompt_tokens": data.n_p_eval,
-            "eval_ms": data.t_eval_ms, "eval_tokens": data.n_eval,
+            "eval_ms": data.t_eval_ms, "eval_tokens": data.n_eval, "graphs_reused": data.n_reused,
         }

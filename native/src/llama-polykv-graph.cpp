@@ -68,6 +68,16 @@ void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
         }
         ggml_backend_tensor_set(ea_pos_f, pf.data(), 0, pf.size() * sizeof(float));
     }
+    auto * poly = pctx->get_poly();
+    for (size_t g = 0; g < groups.size(); ++g) {
+        // a reused graph computes the same outputs again: the group reads them after this ubatch
+        auto & grp = poly->get_group(g);
+        grp.t_rows       = outputs[g].rows;
+        grp.t_rows_heads = outputs[g].rows_heads;
+        grp.t_knorm      = outputs[g].knorm;
+        grp.t_ea_sum     = outputs[g].ea_sum;
+        grp.t_ea_sq      = outputs[g].ea_sq;
+    }
     for (size_t g = 0; g < groups.size(); ++g) {
         auto & inp = groups[g];
         if (!head_masks[g]) {
@@ -94,9 +104,24 @@ void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
 }
 
 bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
-    GGML_UNUSED(params);
-    // cell counts change with every eviction
-    return false;
+    const auto * pnew = dynamic_cast<const llama_kv_cache_poly_context *>(params.mctx);
+    if (!pnew || pnew->n_groups() != groups.size() || pnew->get_poly()->graph_key(pnew->is_batch()) != key) {
+        return false; // another sequence's caches, a replaced group cache, or another score branch
+    }
+    // the same as the stock input's check, for every group: the ubatch's tokens and the group's n_kv
+    pctx = pnew;
+    mctx = pnew->get_group(0);
+    const int64_t n_tokens = params.ubatch.n_tokens;
+    bool res = true;
+    for (size_t g = 0; g < groups.size(); ++g) {
+        auto & inp = groups[g];
+        inp->mctx = pnew->get_group(g);
+        const ggml_tensor * mask = inp->self_kq_mask;
+        res &= inp->self_k_idxs->ne[0] == n_tokens;
+        res &= mask->ne[0] == (int64_t) inp->mctx->get_n_kv() && mask->ne[1] == n_tokens && mask->ne[3] == 1;
+        res &= mask->ne[2] == (head_masks[g] ? (int64_t) n_head : 1);
+    }
+    return res;
 }
 
 llm_graph_input_attn_kv * llm_graph_input_attn_kv_poly::group_input(int32_t il) const {
@@ -127,6 +152,8 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const llama_cparams & cparams,
         const llama_kv_cache_poly_context * pctx) {
     auto inp = std::make_unique<llm_graph_input_attn_kv_poly>(hparams, cparams, pctx);
+    inp->key = pctx->get_poly()->graph_key(pctx->is_batch());
+    inp->outputs.resize(pctx->n_groups());
     // every group cache is one stream: with several sequences each sequence has its own caches and a ubatch holds
     // one sequence (llama_kv_cache_poly_seqs)
     const int64_t n_stream = 1;
@@ -174,6 +201,7 @@ void llama_polykv_build_scores(
              int32_t   il) {
     auto * poly = inp->pctx->get_poly();
     auto & grp = poly->get_group(poly->group_of(il));
+    auto & outs = inp->outputs[poly->group_of(il)];
     const bool record = inp->pctx->is_batch();
     const int64_t n_tokens = q->ne[2];
     // a KVzip reconstruction pass scores only the KVzip layers, with every query row
@@ -187,7 +215,7 @@ void llama_polykv_build_scores(
         ggml_tensor * sq = ggml_sum_rows(ctx0, ggml_sqr(ctx0, kc));             // [1, n_head_kv, n_tokens]
         ggml_set_output(sq);
         ggml_build_forward_expand(gf, sq);
-        grp.t_knorm = record ? sq : nullptr;
+        grp.t_knorm = outs.knorm = record ? sq : nullptr;
     }
     if (!kvzip && !grp.ea_sum.empty() && inp->ea_neg_pos) {
         // Expected Attention: moments of the pre-RoPE queries, those at positions >= n_sink (kvpress leaves the first
@@ -209,8 +237,8 @@ void llama_polykv_build_scores(
         ggml_set_output(s2);
         ggml_build_forward_expand(gf, s1);
         ggml_build_forward_expand(gf, s2);
-        grp.t_ea_sum = record ? s1 : nullptr;
-        grp.t_ea_sq  = record ? s2 : nullptr;
+        grp.t_ea_sum = outs.ea_sum = record ? s1 : nullptr;
+        grp.t_ea_sq  = outs.ea_sq  = record ? s2 : nullptr;
     }
     if (kvzip ? !grp.needs(LLAMA_POLYKV_KVZIP) : !grp.needs_rows() || (grp.rows_idle && record)) {
         return;
@@ -249,14 +277,14 @@ void llama_polykv_build_scores(
             ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, n_rows);
             ggml_set_output(ph);
             ggml_build_forward_expand(gf, ph);
-            grp.t_rows_heads = ph;
+            grp.t_rows_heads = outs.rows_heads = ph;
         }
         if (grp.layer_scores()) {
             ggml_tensor * pl = ggml_pool_1d(ctx0, p2, GGML_OP_POOL_MAX, (int) n_head, (int) n_head, 0);
             pl = ggml_reshape_3d(ctx0, pl, 1, n_kv, n_rows);
             ggml_set_output(pl);
             ggml_build_forward_expand(gf, pl);
-            grp.t_rows = pl;
+            grp.t_rows = outs.rows = pl;
         }
         return;
     }
@@ -269,13 +297,13 @@ void llama_polykv_build_scores(
         ph = ggml_scale(ctx0, ph, 1.0f/rk);
         ggml_set_output(ph);
         ggml_build_forward_expand(gf, ph);
-        grp.t_rows_heads = record ? ph : nullptr;
+        grp.t_rows_heads = outs.rows_heads = record ? ph : nullptr;
     }
     if (grp.layer_scores()) {
         ggml_tensor * pl = ggml_sum_rows(ctx0, p);                              // [1, n_kv, n_rows]
         pl = ggml_scale(ctx0, pl, 1.0f/n_head);                                 // mean over query heads
         ggml_set_output(pl);
         ggml_build_forward_expand(gf, pl);
-        grp.t_rows = record ? pl : nullptr;
+        grp.t_rows = outs.rows = record ? pl : nullptr;
     }
 }

@@ -1002,6 +1002,7 @@ void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
     llama_polykv_io_read r(w.buf);
     kv_new->state_read(r);
     grp.kv = std::move(kv_new);
+    new_layout();
     grp.capacity = cap;
 
     const uint32_t n_copy = std::min(old_cap, cap);

@@ -11,6 +11,7 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
@@ -236,6 +237,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         }
 
         grp.kv = new_group_cache(grp, grp.capacity);
+        new_layout();
         const size_t n_state = (size_t) grp.n_slots() * grp.capacity;
         grp.acc.assign(n_state, 0.0f);
         grp.last.assign(n_state, 0.0f);
@@ -267,6 +269,26 @@ std::unique_ptr<llama_kv_cache> llama_kv_cache_poly::new_group_cache(const group
             [member](int32_t il) { return member[il]; }, nullptr, nullptr, tag.c_str());
 }
 
+void llama_kv_cache_poly::new_layout() {
+    static std::atomic<uint64_t> next_id{1};
+    layout_id = next_id++;
+}
+
+std::vector<int64_t> llama_kv_cache_poly::graph_key(bool record) const {
+    std::vector<int64_t> key = { (int64_t) layout_id, record ? 1 : 0, kvzip_active ? 1 : 0 };
+    for (const auto & grp : groups) {
+        const int64_t flags =
+            (grp.needs(LLAMA_POLYKV_KNORM) ? 1 : 0) | (grp.needs(LLAMA_POLYKV_KVZIP) ? 2 : 0) |
+            (grp.needs(LLAMA_POLYKV_H2O) ? 4 : 0) | (grp.needs_rows() ? 8 : 0) | (grp.rows_idle ? 16 : 0) |
+            (grp.layer_scores() ? 32 : 0) | (grp.head_scores() ? 64 : 0) | (grp.ea_sum.empty() ? 0 : 128) |
+            (grp.per_head ? 256 : 0);
+        key.push_back(flags);
+        key.push_back(grp.ring_size());
+        key.push_back(grp.n_head_kv);
+    }
+    return key;
+}
+
 uint32_t llama_kv_cache_poly::group_cells(const group & grp, bool whole_prompt) const {
     uint32_t cap = 0;
     for (int p = 0; p < 2; ++p) {
@@ -291,6 +313,7 @@ uint32_t llama_kv_cache_poly::group_cells(const group & grp, bool whole_prompt) 
 
 void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
     grp.kv = new_group_cache(grp, cap); // allocated before the old one goes: a failure leaves the group as it was
+    new_layout();
     grp.capacity = cap;
     if (grp.per_head) {
         grp.hpos.assign((size_t) grp.n_head_kv * cap, -1);

@@ -248,6 +248,12 @@ public:
     // scores, else KV head `head`'s); false when the layer keeps no such scores
     bool kept_scores(int32_t il, int32_t head, std::vector<float> & out) const;
 
+    // what the graph of a ubatch is built from besides the ubatch's shape and the groups' n_kv: the group caches'
+    // tensors, the score branch of every group (llama_polykv_build_scores) and the extra inputs. A graph is reused
+    // only while its key is unchanged (llm_graph_input_attn_kv_poly::can_reuse): whatever the graph builders read
+    // from the cache's state must be in it
+    std::vector<int64_t> graph_key(bool record) const;
+
     // per-head groups: the attention mask of a ubatch, [n_kv, n_tokens, n_head] (one slice per query head)
     void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const;
 
@@ -340,6 +346,11 @@ private:
 
     std::vector<group>   groups;
     std::vector<int32_t> layer_group; // il -> group, -1 for layers without KV
+
+    // unique in the process for each set of group cache tensors: a new value whenever a group cache is replaced
+    // (graph_key; a graph's K/V views refer to the tensors it was built with)
+    uint64_t layout_id = 0;
+    void new_layout();
 
     // the score outputs of the last ubatch into the state; with_query_stats false: leave Expected Attention's
     // query statistics alone (a probe's queries are not the prompt's)
@@ -515,6 +526,18 @@ public:
     uint32_t n_head = 0;
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;
+
+    // the cache's graph_key when the graph was built, and the score outputs it built for each group: set_input
+    // hands them to the groups again when the graph is reused (the groups forget them once read)
+    std::vector<int64_t> key;
+    struct score_outputs {
+        ggml_tensor * rows       = nullptr;
+        ggml_tensor * rows_heads = nullptr;
+        ggml_tensor * knorm      = nullptr;
+        ggml_tensor * ea_sum     = nullptr;
+        ggml_tensor * ea_sq      = nullptr;
+    };
+    mutable std::vector<score_outputs> outputs;
 };
 
 // the same for models whose graphs ask for iSWA inputs (gemma3): build_attn forwards to the per-group input
