@@ -189,9 +189,11 @@ def run_config(spec: dict) -> dict:
 
             select_ms: list[float] = []
 
+            reused: list[int] = []
+
             def greedy(n: int) -> tuple[float, float, int]:
                 """n greedy decode steps after the current logits: (perf ms, wall s, perf tokens); the host time
-                the plan's evictions took is appended to select_ms."""
+                the plan's evictions took is appended to select_ms, the graphs llama.cpp reused to reused."""
                 p0 = ctx.perf()
                 s0, _ = ctx.decode_timing()
                 w0 = time.perf_counter()
@@ -201,6 +203,7 @@ def run_config(spec: dict) -> dict:
                 w = time.perf_counter() - w0
                 p1 = ctx.perf()
                 select_ms.append(ctx.decode_timing()[0] - s0)
+                reused.append(int(p1["graphs_reused"] - p0["graphs_reused"]))
                 return p1["eval_ms"] - p0["eval_ms"], w, int(p1["eval_tokens"] - p0["eval_tokens"])
 
             n_probe = s.get("prompt_probe", 0)
@@ -234,6 +237,7 @@ def run_config(spec: dict) -> dict:
                         "kv_used_cells": sum(x.used for x in layer_stats) if layer_stats else ctx.pos_max() + 1,
                         "n_evicted": sum(x.n_evicted for x in layer_stats) if layer_stats else 0,
                         "decode_select_ms": select_ms[-1],
+                        "graphs_reused": reused[-1],
                     })
                 prefill_s = statistics.median(r["prefill_s"] for r in runs)
                 perf_rates = [1000.0 * r["decode_tokens_perf"] / r["decode_ms_perf"] for r in runs
@@ -247,6 +251,7 @@ def run_config(spec: dict) -> dict:
                     "decode_tok_s_source": "perf" if perf_rates else "wall",
                     "decode_tok_s_wall": wall_rate,
                     "select_ms_per_token": statistics.median(r["decode_select_ms"] for r in runs) / s["n_gen"],
+                    "graphs_reused_share": statistics.median(r["graphs_reused"] for r in runs) / s["n_gen"],
                     "n_gen": s["n_gen"],
                     "kv_used_cells": runs[-1]["kv_used_cells"],
                     "n_evicted": runs[-1]["n_evicted"],
@@ -411,14 +416,14 @@ def markdown(report: dict) -> str:
                  f"n_batch {m['n_batch']}, n_ubatch {m['n_ubatch']}, kv budget {m['kv_budget']}, n_gen {m['n_gen']}"
                  + (f", prompt probe {m['prompt_probe']}" if m.get("prompt_probe") else ""))
     lines.append("")
-    lines.append("| config | depth | prefill tok/s | decode tok/s | decode tok/s (wall) | eviction ms/token | KV MiB | "
-                 "FullKV MiB | KV ratio | max layer cells | full-size buffer | peak RSS MiB |")
-    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+    lines.append("| config | depth | prefill tok/s | decode tok/s | decode tok/s (wall) | eviction ms/token | "
+                 "graphs reused | KV MiB | FullKV MiB | KV ratio | max layer cells | full-size buffer | peak RSS MiB |")
+    lines.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for c in report["configs"]:
         for d in c["depths"]:
             lines.append(f"| {c['name']} | {d['depth']} | {d['prefill_tok_s']:.1f} | {d['decode_tok_s']:.2f} | "
                          f"{d['decode_tok_s_wall']:.2f} | {d.get('select_ms_per_token', 0.0):.3f} | "
-                         f"{c['kv_bytes'] / MIB:.2f} | "
+                         f"{100 * d.get('graphs_reused_share', 0.0):.0f}% | {c['kv_bytes'] / MIB:.2f} | "
                          f"{c['kv_bytes_fullkv'] / MIB:.2f} | {c['kv_bytes_ratio']:.4f} | "
                          f"{c['max_layer_capacity']} | {'yes' if c['full_size_kv_buffer'] else 'no'} | "
                          f"{c['peak_rss_bytes'] / MIB:.1f} |")

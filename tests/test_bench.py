@@ -65,6 +65,10 @@ def test_bench_tiny(bench, tiny2, tmp_path, capsys):
     # StreamingLLM keeps its budget: at depth 128 each layer holds 32 cells after decode
     assert plan["depths"][-1]["kv_used_cells"] == 2 * 32
     assert plan["depths"][-1]["n_evicted"] > 0
+    # decode steps reuse their graph with a plan as without one (each run's first step follows a prefill)
+    for c in (full, plan):
+        for d in c["depths"]:
+            assert (s["n_gen"] - 1) / s["n_gen"] <= d["graphs_reused_share"] <= 1.0, (c["name"], d)
 
     (r,) = report["ratios"]
     assert r["depth_hi"] == 128 and r["depth_lo"] == 64
