@@ -123,3 +123,17 @@ def test_bench_prefills_with_a_probe(bench, tiny2, tmp_path):
     (cfg,) = report["configs"]
     assert cfg["polykv_active"] and cfg["depths"][0]["kv_used_cells"] <= 2 * (32 + 1)  # budget (+1) per layer
     assert "prompt probe 8" in bench.markdown(report)
+
+
+def test_bench_compress_times_an_exact_compression(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("bench_compress", SCRIPT.parent / "bench_compress.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "compress.json"
+    assert mod.main(["--lengths", "1024", "--reps", "1", "--budget", "64", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["pattern"], r["n_tokens"]) for r in rows] == [("snapkv", 1024), ("streamingllm", 1024)]
+    # SnapKV keeps one group per layer (its score state), StreamingLLM one group for all 4: each drops 1024 - 64
+    assert [r["cells_freed"] for r in rows] == [4 * (1024 - 64), 1024 - 64]
+    assert all(r["compress_ms"] > 0 for r in rows)
+    assert "| snapkv | 1024 |" in capsys.readouterr().out

@@ -558,15 +558,28 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
             grp.kv->seq_rm(seq, 0, p_out);
         }
     }
-    const auto & cells = grp.kv->get_cells(0);
-    std::vector<llama_pos> drop;
-    for (uint32_t c : select_drop(grp, pp, set_items(grp, 0), 0)) {
-        drop.push_back(cells.pos_get(c));
+    const auto items = set_items(grp, 0);
+    std::vector<bool> dropped(grp.kv->get_cells(0).size(), false);
+    uint64_t n_drop = 0;
+    for (uint32_t c : select_drop(grp, pp, items, 0)) {
+        dropped[c] = true;
+        ++n_drop;
     }
-    for (llama_pos p : drop) {
-        grp.kv->seq_rm(seq, p, p + 1);
+    // each seq_rm scans every cell: remove runs of dropped positions (no kept one between them) at once, so the
+    // cost is (kept + 1) scans, not one per dropped token (exact modes drop almost all of an n_ctx-cell cache)
+    for (size_t i = 0; i < items.size(); ) {
+        if (!dropped[items[i].second]) {
+            ++i;
+            continue;
+        }
+        size_t j = i;
+        while (j + 1 < items.size() && dropped[items[j + 1].second]) {
+            ++j;
+        }
+        grp.kv->seq_rm(seq, items[i].first, items[j].first + 1);
+        i = j + 1;
     }
-    grp.n_evicted += drop.size();
+    grp.n_evicted += n_drop;
 }
 
 // the V storage tensor of a layer (the cache exposes it only through views)
