@@ -88,9 +88,9 @@ def test_reused_graphs_give_the_same_logits_and_kept_sets(path, tokens, reuse_sw
     assert reused_off == 0
     assert kept == kept_off
     assert np.array_equal(logits, logits_off)
-    # every decode step but the first (a new ubatch shape) could reuse the graph before; with evict_every 5 the
-    # steps whose attention rows no eviction reads build a graph without them, so the graph changes at most
-    # twice per eviction
+    # every decode step but the first (after the prompt's ubatches, of another shape) reuses the step before's
+    # graph; with evict_every 5 the steps whose attention rows no eviction reads have a graph without them, so the
+    # graph changes at most twice per eviction
     assert reused >= (N_DECODE - 1 if evict_every == 1 else N_DECODE // 2), reused
 
 
@@ -130,9 +130,10 @@ def test_a_compression_replaces_the_caches_and_the_graph_follows(path, tokens, r
 
 
 def test_sequences_never_share_a_graph(path, tokens, reuse_switch):
-    """Every sequence has caches of its own: decode steps of two sequences one after the other, each step a
-    ubatch of one sequence, give with reuse what they give without it (a graph reused across sequences would
-    read the other sequence's cache)."""
+    """Every sequence has caches of its own: decode steps of two sequences in one batch (a ubatch per sequence)
+    give with reuse what they give without it. A graph reused across sequences would read the other sequence's
+    cache; llama.cpp refuses that reuse by sequence id, and the cache's graph key (its own tensors) refuses it
+    too."""
     plan = uniform_plan(CFG.n_layer, "snapkv", BUDGET)
     prompts = {0: tokens[:N_PROMPT], 1: tokens[5:N_PROMPT + 5]}
     out = {}
