@@ -183,11 +183,20 @@ if [ -z "${GPU_CHECK_CONFIGURE_ONLY:-}" ]; then
 fi
 OUT_BIN=$BUILD/bin  # llama.cpp puts its libraries and tools there
 ls -la "$OUT_BIN" >>"$LOG" 2>&1
-for lib in "$OUT_BIN"/libllama.so "$OUT_BIN"/libggml-cuda.so; do  # what each library needs and exports of std::
-    [ -e "$lib" ] || continue
-    { echo "== $lib"; readelf -d "$lib" | grep NEEDED
-      echo "exported std:: symbols: $(nm -DC --defined-only "$lib" | grep -c ' std::')"; } >>"$LOG" 2>&1
-done
+std_exports() {  # what each library needs and exports of std:: (libllama binds to ggml-cuda's before libstdc++'s)
+    for lib in "$OUT_BIN"/libllama.so "$OUT_BIN"/libggml-cuda.so; do
+        [ -e "$lib" ] || continue
+        { echo "== $lib"; readelf -d "$lib" | grep NEEDED
+          # libstdc++'s own (not template instances every C++ library exports): none, unless a static archive
+          echo "exported libstdc++ internals: $(nm -DC --defined-only "$lib" | grep -cE ' [A-Za-z] std::(locale|codecvt|ios_base|basic_ostream)')"
+          nm -DC --defined-only "$lib" | grep -E ' [A-Za-z] std::(locale|codecvt|ios_base|basic_ostream)' | head -5; } >>"$LOG" 2>&1
+    done
+}
+std_exports
+{ echo "== toolchain: $(command -v c++) $(c++ -dumpfullversion 2>/dev/null)"
+  echo "libstdc++.so: $(c++ -print-file-name=libstdc++.so)  libstdc++.a: $(c++ -print-file-name=libstdc++.a)"
+  echo "== ggml-cuda's link:"; ninja -C "$BUILD" -t commands "$(cd "$BUILD" && ls bin/libggml-cuda.so.*.*.* 2>/dev/null | head -1)" 2>/dev/null | tail -1
+} >>"$LOG" 2>&1
 if [ -n "${GPU_CHECK_CONFIGURE_ONLY:-}" ]; then  # a machine without a GPU: compile our sources in the CUDA configuration
     OBJS=$(cd "$BUILD" && ninja -t targets all 2>/dev/null | sed -n 's/^\([^:]*llama-polykv[^:]*\.o\):.*/\1/p')
     step compile_ours 1200 ninja -C "$BUILD" $OBJS
@@ -208,11 +217,13 @@ PROBE_CODE="from polykv_cpp.api import Model
 with Model('$PROBE', n_gpu_layers=99) as m, m.context(n_ctx=256) as c:
     c.decode(list(range(3, 40))); print('probe ok', c.logits()[:3])"
 PROBE_ENV=""
+PROBE_OK=""
 STDCXX=$(ldconfig -p 2>/dev/null | sed -n 's/.*libstdc++\.so\.6 .*=> //p' | head -1)
 for variant in "" "LD_PRELOAD=$STDCXX" "LLAMA_ARG_REPACK=0" "GGML_CUDA_NO_PINNED=1" "LLAMA_ARG_LOAD_MODE=none" \
                "LLAMA_ARG_REPACK=0 GGML_CUDA_NO_PINNED=1 LLAMA_ARG_LOAD_MODE=none"; do
     if step "probe${variant:+ ($variant)}" 60 env $variant "$PY" -X faulthandler -c "$PROBE_CODE"; then
         PROBE_ENV=$variant
+        PROBE_OK=1
         break
     fi
     if [ -z "$variant" ]; then  # the first failure: llama.cpp's log up to it, and a native backtrace
@@ -222,7 +233,18 @@ for variant in "" "LD_PRELOAD=$STDCXX" "LLAMA_ARG_REPACK=0" "GGML_CUDA_NO_PINNED
         fi
     fi
 done
-[ -n "$PROBE_ENV" ] && { export $PROBE_ENV; say "running the rest with $PROBE_ENV"; }
+if [ -z "$PROBE_OK" ] && [ "$CUDA" = ON ]; then
+    # last resort, a relink only: the CUDA runtime as a shared library and every shared library's static
+    # archives private
+    say "every probe crashed: relinking with the shared CUDA runtime"
+    step relink_shared_cudart 300 sh -c "cmake -S '$ROOT' -B '$BUILD' -DCMAKE_CUDA_RUNTIME_LIBRARY=Shared \
+        && cmake --build '$BUILD' -j $JOBS --target llama llama-quantize"
+    std_exports
+    step "probe (shared cudart)" 60 "$PY" -X faulthandler -c "$PROBE_CODE" && PROBE_OK=1
+elif [ -n "$PROBE_ENV" ]; then
+    export $PROBE_ENV
+    say "running the rest with $PROBE_ENV"
+fi
 
 # ---- tests: kept positions on the GPU (tests/test_gpu.py) ---------------------------------------------------------
 step test_gpu 600 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py --junitxml="$OUT_DIR/test_gpu.xml"
@@ -255,12 +277,21 @@ from polykv_cpp.plan import uniform_plan
 with Model('$MODEL', n_gpu_layers=0) as m:
     n = m.n_layer
 open('$HEAD_PLAN', 'w').write(uniform_plan(n, 'snapkv', 512, selection='head').to_json())" >>"$LOG" 2>&1
+# the shipped plan of the default model (24 layers, as the random model), as it is (evict_every 1) and with
+# decode evictions every 64 tokens (what calibrated plans carry)
+SHIPPED=$ROOT/plans/qwen2.5-coder-0.5b-instruct-q4_k_m.b512.json
+SHIPPED_E64=$BUILD/qwen-b512-e64.json
+"$PY" -c "
+import json
+plan = json.load(open('$SHIPPED'))
+plan['evict_every'] = 64
+json.dump(plan, open('$SHIPPED_E64', 'w'))" >>"$LOG" 2>&1
 PREFILL=${GPU_CHECK_PREFILL:-4096}
 MAXD=$( (echo "$DEPTHS" | tr "," "\n"; echo "$PREFILL") | sort -n | tail -1)
 NGL=99
 [ "$CUDA" = ON ] || NGL=0
 step bench 1200 "$PY" scripts/bench_kv.py --model "$MODEL" -ngl "$NGL" -fa on --depths "$DEPTHS" \
-    --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --uniform snapkv --plan "$HEAD_PLAN" \
+    --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --uniform snapkv --plan "$HEAD_PLAN" --plan "$SHIPPED" --plan "$SHIPPED_E64" \
     --kv-budget 512 --no-progress --out "$OUT_DIR/bench_gpu.json" --md "$OUT_DIR/bench_gpu.md"
 
 # ---- the native suites with every layer offloaded (last: the CPU runs them in CI) ------------------------------
