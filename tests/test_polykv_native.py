@@ -122,6 +122,27 @@ def test_kept_positions_equal_reference(twin, tokens, hf_reference, pattern, lay
     assert len(kept[-1]) == B_DECODE
 
 
+@pytest.mark.parametrize("kernel", [7, 23, 61])
+@pytest.mark.parametrize("pattern", ["snapkv", "pyramidkv"])
+def test_wide_pooling_kernels_equal_reference(twin, tokens, hf_reference, pattern, kernel):
+    """Max pooling as wide as the shipped plans' (23) and wider than the 40-token prompt (61), where a window
+    clips at both ends of the token set."""
+    _, path = twin
+    layer = 1
+    params = dict(PHASE_PARAMS[pattern], pool_kernel=kernel)
+    plan = one_layer_plan(layer, pattern)
+    pp = plan_mod.LayerPlan(layer, plan_mod.PhasePlan(pattern, budget=B_PREFILL, **params),
+                            plan_mod.PhasePlan(pattern, budget=B_DECODE, **params))
+    plan.layers[layer] = pp
+    kept, _ = run_native(path, plan, tokens, layer)
+    logp, keys = hf_reference[layer]
+    ref = simulate(logp, P, prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
+                   decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys)
+    assert kept[0] == ref.prefill_kept.tolist(), "after prefill"
+    for step in range(N):
+        assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
+
+
 @pytest.mark.parametrize("pattern", sorted(PHASE_PARAMS))
 def test_exact_prefill_mode_equals_reference_for_a_prompt_of_several_ubatches(twin, tokens, hf_reference, pattern):
     """n_ubatch 16: the 40-token prompt is three ubatches; exact mode compresses it once, as the reference."""

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <stdexcept>
@@ -210,17 +211,34 @@ static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, in
 }
 
 // as polykv_cpp.patterns.pool1d(x, kernel, "max"): the largest score within kernel / 2 places on either side, so a
-// token next to a high-scored one (the digits after a needle's key) ranks with it
+// token next to a high-scored one (the digits after a needle's key) ranks with it. NaN scores count as -inf.
+// Linear in n whatever the kernel (van Herk / Gil-Werman): x padded with -inf by kernel / 2 on both sides is cut
+// into blocks of k = 2 (kernel / 2) + 1; a window of k then spans the end of one block and the start of the next
 static std::vector<double> max_pool(const std::vector<double> & x, int32_t kernel) {
     const int32_t n = x.size();
     const int32_t h = kernel / 2;
+    const int32_t k = 2*h + 1;
+    const int32_t m = n + 2*h;
+    std::vector<double> pad(m, -INFINITY);
+    for (int32_t i = 0; i < n; ++i) {
+        pad[h + i] = std::isnan(x[i]) ? -INFINITY : x[i];
+    }
+    std::vector<double> from_start(m); // the largest from its block's start to j
+    std::vector<double> to_end(m);     // the largest from j to its block's end
+    for (int32_t b = 0; b < m; b += k) {
+        const int32_t e = std::min(b + k, m);
+        from_start[b] = pad[b];
+        for (int32_t j = b + 1; j < e; ++j) {
+            from_start[j] = std::max(from_start[j - 1], pad[j]);
+        }
+        to_end[e - 1] = pad[e - 1];
+        for (int32_t j = e - 2; j >= b; --j) {
+            to_end[j] = std::max(to_end[j + 1], pad[j]);
+        }
+    }
     std::vector<double> out(n);
     for (int32_t i = 0; i < n; ++i) {
-        double m = -INFINITY;
-        for (int32_t k = std::max(0, i - h); k <= std::min(n - 1, i + h); ++k) {
-            m = std::max(m, x[k]);
-        }
-        out[i] = m;
+        out[i] = std::max(to_end[i], from_start[i + 2*h]); // the window [i, i + 2h] of pad
     }
     return out;
 }
@@ -250,12 +268,19 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
         case LLAMA_POLYKV_SNAPKV:
         case LLAMA_POLYKV_PYRAMIDKV:
             {
-                std::vector<double> raw(n, 0.0);
+                // the window's sum per cell over the set's whole slot (contiguous rows, oldest first, as before),
+                // then read off for the set's cells
                 const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
+                std::vector<double> sum(grp.capacity, 0.0);
                 for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
-                    for (int32_t i = 0; i < n; ++i) {
-                        raw[i] += grp.ring[r][off + items[i].second];
+                    const float * row = grp.ring[r].data() + off;
+                    for (uint32_t c = 0; c < grp.capacity; ++c) {
+                        sum[c] += row[c];
                     }
+                }
+                std::vector<double> raw(n);
+                for (int32_t i = 0; i < n; ++i) {
+                    raw[i] = sum[items[i].second];
                 }
                 sc = max_pool(raw, pp.pool_kernel);
             } break;
@@ -311,6 +336,21 @@ static std::vector<int32_t> ascending(const std::vector<double> & sc) {
     return order;
 }
 
+// the first k indices of ascending(sc) (ties by index), without sorting the rest: a decode step drops one token
+// of hundreds. A NaN score ranks lowest
+static std::vector<int32_t> lowest(const std::vector<double> & sc, int32_t k) {
+    std::vector<int32_t> order(sc.size());
+    std::iota(order.begin(), order.end(), 0);
+    auto key  = [&](int32_t i) { return std::isnan(sc[i]) ? -INFINITY : sc[i]; };
+    auto less = [&](int32_t a, int32_t c) { return key(a) < key(c) || (key(a) == key(c) && a < c); };
+    if (k < (int32_t) order.size()) {
+        std::nth_element(order.begin(), order.begin() + k, order.end(), less);
+        order.resize(k);
+    }
+    std::sort(order.begin(), order.end(), less);
+    return order;
+}
+
 // the cells to drop from one token set (as pattern_scores); keeps the pattern's budget, as the reference
 static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
                                          const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
@@ -320,9 +360,8 @@ static std::vector<uint32_t> select_drop(const llama_kv_cache_poly::group & grp,
     if (n <= b || pp.pattern == LLAMA_POLYKV_FULLKV) {
         return drop;
     }
-    const std::vector<int32_t> order = ascending(ranked_scores(grp, pp, items, off));
-    for (int32_t k = 0; k < n - b; ++k) {
-        drop.push_back(items[order[k]].second);
+    for (int32_t i : lowest(ranked_scores(grp, pp, items, off), n - b)) {
+        drop.push_back(items[i].second);
     }
     return drop;
 }
@@ -499,8 +538,31 @@ std::vector<std::pair<llama_pos, uint32_t>> llama_kv_cache_poly::set_items(const
             }
         }
     }
-    std::sort(items.begin(), items.end());
-    return items;
+    // a layer keeps old sinks and recent tokens, so its positions usually span a few times its size: then a
+    // counting sort by position (stable in cell order) gives std::sort's (pos, cell) order in linear time
+    llama_pos lo = std::numeric_limits<llama_pos>::max();
+    llama_pos hi = std::numeric_limits<llama_pos>::min();
+    for (const auto & it : items) {
+        lo = std::min(lo, it.first);
+        hi = std::max(hi, it.first);
+    }
+    const int64_t range = (int64_t) hi - lo + 1;
+    if (items.empty() || range > 8 * (int64_t) items.size()) {
+        std::sort(items.begin(), items.end());
+        return items;
+    }
+    std::vector<uint32_t> start(range + 1, 0);
+    for (const auto & it : items) {
+        start[it.first - lo + 1] += 1;
+    }
+    for (int64_t k = 1; k <= range; ++k) {
+        start[k] += start[k - 1];
+    }
+    std::vector<std::pair<llama_pos, uint32_t>> sorted(items.size());
+    for (const auto & it : items) {
+        sorted[start[it.first - lo]++] = it;
+    }
+    return sorted;
 }
 
 void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp) {
