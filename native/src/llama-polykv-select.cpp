@@ -61,6 +61,48 @@ void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & ce
     }
 }
 
+void llama_kv_cache_poly::fetch_scores(ggml_backend_sched_t sched) {
+    // a decode step's outputs are small; a prompt ubatch's rows can be megabytes per layer (H2O reads every row):
+    // beyond this much in all, the rest is read layer by layer as before
+    const size_t max_bytes = 16u << 20;
+    size_t total = 0;
+    std::vector<ggml_backend_t> waits;
+    for (auto & grp : groups) {
+        grp.fetched.clear();
+        for (ggml_tensor * t : { grp.t_rows, grp.t_rows_heads, grp.t_knorm, grp.t_ea_sum, grp.t_ea_sq }) {
+            if (!t || t->type != GGML_TYPE_F32 || total + ggml_nbytes(t) > max_bytes) {
+                continue;
+            }
+            total += ggml_nbytes(t);
+            grp.fetched.emplace_back(t, std::vector<float>(ggml_nelements(t)));
+            float * dst = grp.fetched.back().second.data();
+            ggml_backend_t backend = ggml_backend_sched_get_tensor_backend(sched, t);
+            if (!backend) {
+                ggml_backend_tensor_get(t, dst, 0, ggml_nbytes(t));
+                continue;
+            }
+            ggml_backend_tensor_get_async(backend, t, dst, 0, ggml_nbytes(t));
+            if (std::find(waits.begin(), waits.end(), backend) == waits.end()) {
+                waits.push_back(backend);
+            }
+        }
+    }
+    for (ggml_backend_t backend : waits) {
+        ggml_backend_synchronize(backend);
+    }
+}
+
+// n floats of a score output: the copy fetch_scores made after this ubatch, else read now
+static void read_floats(const llama_kv_cache_poly::group & grp, const ggml_tensor * t, float * dst, size_t n) {
+    for (const auto & f : grp.fetched) {
+        if (f.first == t && f.second.size() >= n) {
+            memcpy(dst, f.second.data(), n * sizeof(float));
+            return;
+        }
+    }
+    ggml_backend_tensor_get(t, dst, 0, n * sizeof(float));
+}
+
 // add the attention rows of one graph output to the score state: t is [nh, n_kv, n_rows] (rows[(r*n_kv + j)*nh + h]:
 // attention of query row r to cell j, averaged over the query heads of the layer (nh = 1) or of KV head h), and
 // head h's state lives at off(h)
@@ -70,7 +112,7 @@ static void add_rows(llama_kv_cache_poly::group & grp, ggml_tensor * t, int32_t 
     const int64_t n_kv = t->ne[1];
     const int64_t n_rows = t->ne[2];
     std::vector<float> rows(nh * n_kv * n_rows);
-    ggml_backend_tensor_get(t, rows.data(), 0, rows.size() * sizeof(float));
+    read_floats(grp, t, rows.data(), rows.size());
     auto at = [&](int64_t r, int64_t j, int64_t h) { return rows[(r*n_kv + j)*nh + h]; };
 
     if (grp.needs(LLAMA_POLYKV_H2O)) {
@@ -113,7 +155,7 @@ void llama_kv_cache_poly::read_kvzip(group & grp) {
         const int64_t n_kv = t->ne[1];
         const int64_t n_rows = t->ne[2];
         std::vector<float> rows(nh * n_kv * n_rows);
-        ggml_backend_tensor_get(t, rows.data(), 0, rows.size() * sizeof(float));
+        read_floats(grp, t, rows.data(), rows.size());
         for (int64_t h = 0; h < nh; ++h) {
             float * z = grp.zmax.data() + off(h);
             for (int64_t r = 0; r < n_rows; ++r) {
@@ -159,7 +201,7 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool with_
         const int64_t n_head_kv = grp.t_knorm->ne[1];
         GGML_ASSERT(grp.t_knorm->ne[2] == (int64_t) n_tokens && grp.new_cells.size() == n_tokens);
         std::vector<float> norms(n_head_kv * n_tokens);
-        ggml_backend_tensor_get(grp.t_knorm, norms.data(), 0, norms.size() * sizeof(float));
+        read_floats(grp, grp.t_knorm, norms.data(), norms.size());
         for (uint32_t t = 0; t < n_tokens; ++t) {
             const uint32_t c = grp.new_cells[t];
             if (grp.head_scores()) {
@@ -180,11 +222,11 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool with_
         GGML_ASSERT((size_t) ggml_nelements(grp.t_ea_sum) == grp.ea_sum.size() &&
                     (size_t) ggml_nelements(grp.t_ea_sq) == grp.ea_sq.size());
         std::vector<float> buf(grp.ea_sq.size());
-        ggml_backend_tensor_get(grp.t_ea_sum, buf.data(), 0, grp.ea_sum.size() * sizeof(float));
+        read_floats(grp, grp.t_ea_sum, buf.data(), grp.ea_sum.size());
         for (size_t i = 0; i < grp.ea_sum.size(); ++i) {
             grp.ea_sum[i] += buf[i];
         }
-        ggml_backend_tensor_get(grp.t_ea_sq, buf.data(), 0, grp.ea_sq.size() * sizeof(float));
+        read_floats(grp, grp.t_ea_sq, buf.data(), grp.ea_sq.size());
         for (size_t i = 0; i < grp.ea_sq.size(); ++i) {
             grp.ea_sq[i] += buf[i];
         }

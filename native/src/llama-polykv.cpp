@@ -1164,6 +1164,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         // wait for the scores (and, in exact modes, for the cache writes a compaction may read before the next
         // ubatch); not llama_synchronize(), which would book the whole batch's timing now
         ggml_backend_sched_synchronize(lctx->get_sched());
+        fetch_scores(lctx->get_sched());
     }
     if (kvzip_active) {
         for (auto & grp : groups) {

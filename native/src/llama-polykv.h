@@ -91,6 +91,8 @@ public:
         ggml_tensor * t_knorm = nullptr; // [n_head_kv, n_tokens]: ||k|| of the new tokens per KV head
         ggml_tensor * t_ea_sum = nullptr; // [1, d, n_head]: sum of the ubatch's pre-RoPE queries (n_sink on)
         ggml_tensor * t_ea_sq  = nullptr; // [d, d, n_head]: sum of their outer products
+        // those outputs on the host, copied together after the ubatch (fetch_scores)
+        std::vector<std::pair<const ggml_tensor *, std::vector<float>>> fetched;
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
         bool rows_idle = false;          // this decode step's attention rows would be read by no eviction (evict_every)
 
@@ -354,6 +356,8 @@ private:
 
     // the score outputs of the last ubatch into the state; with_query_stats false: leave Expected Attention's
     // query statistics alone (a probe's queries are not the prompt's)
+    // copy every group's score outputs to the host with one wait per backend, not one blocking read per layer
+    void fetch_scores(ggml_backend_sched_t sched);
     void read_scores(group & grp, uint32_t n_tokens, bool with_query_stats = true);
     // make room for more of a streaming prompt: every group to its streaming budget (stream groups by the stream
     // pattern, unless by_prompt_pattern), returns the cells freed
