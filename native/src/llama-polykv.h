@@ -354,10 +354,10 @@ private:
     uint64_t layout_id = 0;
     void new_layout();
 
-    // the score outputs of the last ubatch into the state; with_query_stats false: leave Expected Attention's
-    // query statistics alone (a probe's queries are not the prompt's)
     // copy every group's score outputs to the host with one wait per backend, not one blocking read per layer
     void fetch_scores(ggml_backend_sched_t sched);
+    // the score outputs of the last ubatch into the state; with_query_stats false: leave Expected Attention's
+    // query statistics alone (a probe's queries are not the prompt's)
     void read_scores(group & grp, uint32_t n_tokens, bool with_query_stats = true);
     // make room for more of a streaming prompt: every group to its streaming budget (stream groups by the stream
     // pattern, unless by_prompt_pattern), returns the cells freed
