@@ -46,6 +46,9 @@ void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & ce
             for (auto & row : grp.ring) {
                 row[off + c] = 0.0f;
             }
+            if (grp.win_ok) {
+                grp.win_sum[off + c] = 0.0;
+            }
         }
     }
     grp.ea_new = 0;
@@ -149,6 +152,37 @@ static void add_rows(llama_kv_cache_poly::group & grp, ggml_tensor * t, int32_t 
     }
 }
 
+// the ring's new rows into win_sum, the rows that left it out; every ring_size() rows (and after any other change
+// to the ring) the rows are summed again, oldest first, so rounding does not build up over a long generation
+static void update_window(llama_kv_cache_poly::group & grp, size_t n_new, const std::vector<std::vector<float>> & gone) {
+    const size_t n = grp.ring.empty() ? 0 : grp.ring.front().size();
+    if (grp.win_ok && grp.win_sum.size() == n && grp.win_age + 1 < grp.ring_size()) {
+        double * sum = grp.win_sum.data();
+        for (size_t r = grp.ring.size() - n_new; r < grp.ring.size(); ++r) {
+            const float * row = grp.ring[r].data();
+            for (size_t i = 0; i < n; ++i) {
+                sum[i] += row[i];
+            }
+        }
+        for (const auto & out : gone) {
+            const float * row = out.data();
+            for (size_t i = 0; i < n; ++i) {
+                sum[i] -= row[i];
+            }
+        }
+        grp.win_age += 1;
+        return;
+    }
+    grp.win_sum.assign(n, 0.0);
+    for (const auto & in : grp.ring) {
+        for (size_t i = 0; i < n; ++i) {
+            grp.win_sum[i] += in[i];
+        }
+    }
+    grp.win_age = 0;
+    grp.win_ok  = true;
+}
+
 void llama_kv_cache_poly::read_kvzip(group & grp) {
     auto fold = [&](ggml_tensor * t, auto off) {
         const int64_t nh = t->ne[0];
@@ -180,13 +214,17 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool with_
     const size_t cap = grp.capacity;
     if (grp.t_rows || grp.t_rows_heads) {
         const int32_t w = grp.ring_size();
+        size_t n_new = 0;
+        std::vector<std::vector<float>> gone;
         if (w > 0) {
             // push one zeroed row per new query row (as many as the graph kept), drop the oldest beyond w
             const int64_t n_rows = (grp.t_rows ? grp.t_rows : grp.t_rows_heads)->ne[2];
             for (int64_t r = std::max<int64_t>(0, n_rows - w); r < n_rows; ++r) {
                 grp.ring.emplace_back((size_t) grp.n_slots() * cap, 0.0f);
+                n_new += 1;
             }
             while ((int32_t) grp.ring.size() > w) {
+                gone.push_back(std::move(grp.ring.front()));
                 grp.ring.erase(grp.ring.begin());
             }
         }
@@ -195,6 +233,9 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool with_
         }
         if (grp.t_rows_heads) {
             add_rows(grp, grp.t_rows_heads, w, [&](int64_t h) { return grp.head_off((uint32_t) h); });
+        }
+        if (w > 0) {
+            update_window(grp, n_new, gone);
         }
     }
     if (grp.t_knorm) {
@@ -313,16 +354,22 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
                 // the window's sum per cell over the set's whole slot (contiguous rows, oldest first, as before),
                 // then read off for the set's cells
                 const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
-                std::vector<double> sum(grp.capacity, 0.0);
-                for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
-                    const float * row = grp.ring[r].data() + off;
-                    for (uint32_t c = 0; c < grp.capacity; ++c) {
-                        sum[c] += row[c];
-                    }
-                }
                 std::vector<double> raw(n);
-                for (int32_t i = 0; i < n; ++i) {
-                    raw[i] = sum[items[i].second];
+                if (grp.win_ok && w == grp.ring.size() && grp.win_sum.size() >= off + grp.capacity) {
+                    for (int32_t i = 0; i < n; ++i) {
+                        raw[i] = grp.win_sum[off + items[i].second];
+                    }
+                } else {
+                    std::vector<double> sum(grp.capacity, 0.0);
+                    for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
+                        const float * row = grp.ring[r].data() + off;
+                        for (uint32_t c = 0; c < grp.capacity; ++c) {
+                            sum[c] += row[c];
+                        }
+                    }
+                    for (int32_t i = 0; i < n; ++i) {
+                        raw[i] = sum[items[i].second];
+                    }
                 }
                 sc = max_pool(raw, pp.pool_kernel);
             } break;
@@ -976,6 +1023,9 @@ void llama_kv_cache_poly::repack(group & grp) {
             for (auto & row : grp.ring) {
                 row[t] = row[s];
             }
+            if (grp.win_ok) {
+                grp.win_sum[t] = grp.win_sum[s];
+            }
             grp.hpos[(size_t) m.h*cap + m.dst] = grp.hpos[(size_t) m.h*cap + m.src];
             grp.hpos[(size_t) m.h*cap + m.src] = -1;
         }
@@ -1080,6 +1130,7 @@ void llama_kv_cache_poly::compact(group & grp) {
             grp.ring[k][i] = it->second.ring[k];
         }
     }
+    grp.ring_changed();
 }
 
 void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
@@ -1136,6 +1187,7 @@ void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
     for (auto & row : grp.ring) {
         move_slots(row, grp.n_slots(), 0.0f);
     }
+    grp.ring_changed();
     if (grp.per_head) {
         move_slots(grp.hpos, grp.n_head_kv, (llama_pos) -1);
     }

@@ -322,6 +322,7 @@ void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
         v->assign((size_t) grp.n_slots() * cap, 0.0f);
     }
     grp.ring.clear();
+    grp.ring_changed();
 }
 
 uint32_t llama_kv_cache_poly::n_used_cells(const group & grp) const {
@@ -408,6 +409,7 @@ void llama_kv_cache_poly::clear(bool data) {
         grp.ea_n = 0.0;
         std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
         grp.ring.clear();
+        grp.ring_changed();
     }
     restore_plan_budgets();
     kvzip_scored = false;
@@ -731,6 +733,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
         std::fill(grp.last.begin(), grp.last.end(), 0.0f);
         std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
         grp.ring.assign(n_ring, std::vector<float>((size_t) grp.n_slots() * grp.capacity, 0.0f));
+        grp.ring_changed();
         for (uint32_t k = 0; k < n_cells; ++k) {
             llama_pos pos = 0;
             float acc = 0.0f, last = 0.0f, knorm = 0.0f;
@@ -799,6 +802,7 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
                     for (auto & row : grp.ring) {
                         io.read(&row[off + c], sizeof(float));
                     }
+                    grp.ring_changed();
                 }
             }
         }
@@ -1188,6 +1192,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
             // the ring keeps only consecutive recent rows: a prompt fed before the next eviction is scored by its
             // own queries and the decode rows computed since, not by rows older than the skipped steps
             grp.ring.clear();
+            grp.ring_changed();
             grp.rows_idle = false;
         }
         if (decode) {

@@ -93,6 +93,12 @@ public:
         ggml_tensor * t_ea_sq  = nullptr; // [d, d, n_head]: sum of their outer products
         // those outputs on the host, copied together after the ubatch (fetch_scores)
         std::vector<std::pair<const ggml_tensor *, std::vector<float>>> fetched;
+        // the sum of the ring's rows per cell (SnapKV's observation window), kept up to date row by row and
+        // summed again every ring_size() rows (read_scores); any other change to the ring calls ring_changed()
+        std::vector<double> win_sum;
+        int32_t win_age = 0;
+        bool win_ok = false;
+        void ring_changed() { win_ok = false; }
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
         bool rows_idle = false;          // this decode step's attention rows would be read by no eviction (evict_every)
 
