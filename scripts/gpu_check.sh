@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: build polykv-cpp's llama.cpp with CUDA for the local GPU only, run the GPU tests (kept positions
 # on the GPU equal the CPU's and the numpy reference's), the native tests with every layer offloaded, and
-# bench_kv.py at 4K/16K/32K with and without a plan. Writes gpu_check.md and gpu_check.json into OUT_DIR.
+# bench_kv.py at 4K/16K/32K with and without a plan (and at the deepest depth with graph reuse off). Writes
+# gpu_check.md and gpu_check.json into OUT_DIR.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]          (default results/gpu-check)
 #
@@ -81,6 +82,12 @@ report() {
         echo "Benchmark model: $MODEL_NOTE."
         echo
         [ -f "$OUT_DIR/bench_gpu.md" ] && cat "$OUT_DIR/bench_gpu.md"
+        if [ -f "$BUILD/bench_noreuse.md" ]; then
+            echo
+            echo "The same with graph reuse off (LLAMA_GRAPH_REUSE_DISABLE=1):"
+            echo
+            cat "$BUILD/bench_noreuse.md"
+        fi
     } >"$OUT_DIR/gpu_check.md"
     "$PY" - "$OUT_DIR" "${STEPS[@]}" <<'EOF'
 import json, sys
@@ -293,6 +300,12 @@ NGL=99
 step bench 1200 "$PY" scripts/bench_kv.py --model "$MODEL" -ngl "$NGL" -fa on --depths "$DEPTHS" \
     --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --uniform snapkv --plan "$HEAD_PLAN" --plan "$SHIPPED" --plan "$SHIPPED_E64" \
     --kv-budget 512 --no-progress --out "$OUT_DIR/bench_gpu.json" --md "$OUT_DIR/bench_gpu.md"
+
+# ---- graph reuse on the GPU: FullKV and the plan with evict_every 64 again, with LLAMA_GRAPH_REUSE_DISABLE=1 ----
+REUSE_DEPTH=$(echo "$DEPTHS" | tr "," "\n" | sort -n | tail -1)
+step bench_noreuse 300 env LLAMA_GRAPH_REUSE_DISABLE=1 "$PY" scripts/bench_kv.py --model "$MODEL" -ngl "$NGL" -fa on \
+    --depths "$REUSE_DEPTH" --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --plan "$SHIPPED_E64" \
+    --kv-budget 512 --no-progress --out "$BUILD/bench_noreuse.json" --md "$BUILD/bench_noreuse.md"
 
 # ---- the native suites with every layer offloaded (last: the CPU runs them in CI) ------------------------------
 step test_native_ngl99 900 env LLAMA_ARG_N_GPU_LAYERS=99 "$PY" -m pytest -q -p no:cacheprovider -rs \
