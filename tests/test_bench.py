@@ -137,3 +137,21 @@ def test_bench_compress_times_an_exact_compression(tmp_path, capsys):
     assert [r["cells_freed"] for r in rows] == [4 * (1024 - 64), 1024 - 64]
     assert all(r["compress_ms"] > 0 for r in rows)
     assert "| snapkv | 1024 |" in capsys.readouterr().out
+
+
+def test_long_decode_trace_on_a_tiny_model_and_its_comparison(tiny2, tmp_path, capsys):
+    """scripts/long_decode_trace.py: the same build twice gives equal traces; a changed token is reported."""
+    spec = importlib.util.spec_from_file_location("long_decode_trace", SCRIPT.parent / "long_decode_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    for out in (a, b):
+        assert mod.main(["--model", str(tiny2), "--budget", "40", "--tokens", "60", "--threads", "1",
+                         "--selection", "head", "--out", str(out)]) == 0
+    trace = json.loads(a.read_text())
+    assert len(trace["tokens"]) == 60 and all(len(h) == 40 for h in trace["kept"]["0"])
+    assert mod.main(["--compare", str(a), str(b)]) == 0
+    trace["tokens"][7] += 1
+    b.write_text(json.dumps(trace))
+    assert mod.main(["--compare", str(a), str(b)]) == 1
+    assert "differ from 7" in capsys.readouterr().out
