@@ -416,17 +416,9 @@ static std::vector<double> ranked_scores(const llama_kv_cache_poly::group & grp,
     return sc;
 }
 
-// indices of sc in ascending order; among ties the earlier index first (a stable sort: keeping the tail keeps the
-// more recent token of a tie)
-static std::vector<int32_t> ascending(const std::vector<double> & sc) {
-    std::vector<int32_t> order(sc.size());
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t c) { return sc[a] < sc[c]; });
-    return order;
-}
-
-// the first k indices of ascending(sc) (ties by index), without sorting the rest: a decode step drops one token
-// of hundreds. A NaN score ranks lowest
+// the indices of the k lowest scores in ascending order, among ties the earlier index first (keeping the tail keeps
+// the more recent token of a tie); the rest is not sorted: a decode step drops one token of hundreds. A NaN score
+// ranks lowest
 static std::vector<int32_t> lowest(const std::vector<double> & sc, int32_t k) {
     std::vector<int32_t> order(sc.size());
     std::iota(order.begin(), order.end(), 0);
@@ -485,7 +477,7 @@ static std::vector<std::vector<uint32_t>> select_drop_adaptive(const llama_kv_ca
         const int32_t n = items[h].size();
         sc[h] = ranked_scores(grp, pp, items[h], grp.head_off((uint32_t) h));
         keep[h].assign(n, 0);
-        const std::vector<int32_t> order = ascending(sc[h]);
+        const std::vector<int32_t> order = lowest(sc[h], n);
         count[h] = std::min(floor, n);
         for (int32_t k = n - count[h]; k < n; ++k) {
             keep[h][order[k]] = 1;
@@ -570,7 +562,7 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
             const std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(s) : 0);
             const int32_t n = (int32_t) sc.size();
             const int32_t f = std::min(plan.b_min, n);
-            const std::vector<int32_t> order = ascending(sc);
+            const std::vector<int32_t> order = lowest(sc, n);
             std::vector<char> top(n, 0);
             for (int32_t i = n - f; i < n; ++i) {
                 top[order[i]] = 1;

@@ -321,8 +321,7 @@ void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
     for (auto * v : { &grp.acc, &grp.last, &grp.knorm, &grp.zmax, &grp.ea }) {
         v->assign((size_t) grp.n_slots() * cap, 0.0f);
     }
-    grp.ring.clear();
-    grp.ring_changed();
+    grp.clear_ring();
 }
 
 uint32_t llama_kv_cache_poly::n_used_cells(const group & grp) const {
@@ -408,8 +407,7 @@ void llama_kv_cache_poly::clear(bool data) {
         std::fill(grp.ea_sq.begin(), grp.ea_sq.end(), 0.0);
         grp.ea_n = 0.0;
         std::fill(grp.hpos.begin(), grp.hpos.end(), -1);
-        grp.ring.clear();
-        grp.ring_changed();
+        grp.clear_ring();
     }
     restore_plan_budgets();
     kvzip_scored = false;
@@ -1191,8 +1189,7 @@ void llama_kv_cache_poly::after_ubatch(llama_context * lctx, const llama_ubatch 
         if (grp.rows_idle) {
             // the ring keeps only consecutive recent rows: a prompt fed before the next eviction is scored by its
             // own queries and the decode rows computed since, not by rows older than the skipped steps
-            grp.ring.clear();
-            grp.ring_changed();
+            grp.clear_ring();
             grp.rows_idle = false;
         }
         if (decode) {

@@ -99,6 +99,7 @@ public:
         int32_t win_age = 0;
         bool win_ok = false;
         void ring_changed() { win_ok = false; }
+        void clear_ring() { ring.clear(); ring_changed(); }
         std::vector<uint32_t> new_cells; // cells of the new tokens of the last ubatch
         bool rows_idle = false;          // this decode step's attention rows would be read by no eviction (evict_every)
 
