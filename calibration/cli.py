@@ -85,7 +85,7 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
         protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
         budget_moves=not args.no_budget_moves, budgets_from_scores=args.budgets_from_scores,
-        score_pattern=args.score_pattern, min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads,
+        prompt_budgets=not args.no_prompt_budgets, score_pattern=args.score_pattern, min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads,
         progress=not args.quiet, evict_every=args.evict_every)
     print(res.plan.summary())
     what = {"kl": "KL vs FullKV", "top1": "top-1 misses vs FullKV"}[res.objective]
@@ -155,6 +155,9 @@ def register_cli(subparsers: Any) -> None:
     g.add_argument("--min-gain", type=float, default=DEFAULT_MIN_GAIN,
                    help=f"keep a change when it lowers the KL by more than this fraction (default {DEFAULT_MIN_GAIN})")
     g.add_argument("--no-budget-moves", action="store_true", help="search patterns only (uniform budgets)")
+    g.add_argument("--no-prompt-budgets", action="store_true",
+                   help="do not try the searched plan with its budgets re-split per prompt by the prompt's own "
+                        "scores (\"allocation\": \"prompt\"; tried last and kept if the loss drops)")
     g.add_argument("--budgets-from-scores", action="store_true",
                    help="before the search, give each layer the share of the best uniform pattern's top-scored "
                         "(head, token) pairs under one model-wide threshold (KVzip's / Ada-KV's global rule), "

@@ -15,7 +15,9 @@ continuation of calibration texts whose context was compressed (``docs/calibrati
   at ``budget``; per layer, the pattern with the lowest joint KL given the other layers (the pattern
   preference, measured with every layer compressed, not one layer alone); then move budget between layers
   (a layer gets ``budget/2`` more or less, the others pay or receive in proportion to what they hold above
-  ``b_min``) where the KL drops. A change is kept when it lowers the KL by more than ``min_gain`` (relative).
+  ``b_min``) where the KL drops; last, the same plan with its budgets re-split per prompt by the prompt's own
+  scores (``"allocation": "prompt"``, floors at the patterns' sinks and windows). A change is kept when it lowers
+  the KL by more than ``min_gain`` (relative).
 
 Calibration data: natural texts (``dataset`` as for the transformers method), or ``dataset="tasks"``: the
 synthetic long-context tasks of ``polykv-cpp eval`` generated with seed ``1000 + seed`` (never the evaluation's
@@ -292,13 +294,22 @@ def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget:
                          exact_total=True).validate()
 
 
+def with_allocation(plan, allocation: str):
+    """`plan` as is (``"plan"``), or with its budgets re-split per prompt (``"prompt"``); the floor of a layer's
+    budget (``b_min``) is then what its patterns always keep (sinks and windows), the least a valid plan allows."""
+    if allocation == "plan":
+        return plan
+    floor = max([max(lp.prefill.reserved, lp.decode.reserved) for lp in plan.layers] + [1])
+    return dataclasses.replace(plan, allocation=allocation, b_min=floor).validate()
+
+
 def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, samples: int = DEFAULT_SAMPLES,
                       ctx: int = 2048, n_cont: int = 128, patterns: Sequence[str] = RUNTIME_PATTERNS,
                       b_min: int | None = None, dataset: str = "builtin",
                       seed: int = 0, text_field: str = "text", split: str = "train",
                       tasks: Sequence[str] | None = None, protocols: Sequence[str] = ("query-aware",),
                       objective: str | None = None,
-                      budget_moves: bool = True, budgets_from_scores: bool = False,
+                      budget_moves: bool = True, budgets_from_scores: bool = False, prompt_budgets: bool = True,
                       score_pattern: str | None = None, min_gain: float = DEFAULT_MIN_GAIN, plan_out: str | Path | None = None,
                       n_threads: int | None = None, progress: bool = True, evict_every: int = CALIBRATED_EVICT_EVERY,
                       log: Callable[[str], None] | None = None) -> RuntimeCalibration:
@@ -384,14 +395,14 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             description = data.description
         m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx, room=room)
         n_total = (len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
-                   + (1 if budgets_from_scores else 0))
+                   + (1 if budgets_from_scores else 0) + (1 if prompt_budgets else 0))
         bar = None
         if progress:
             from tqdm import tqdm
             bar = tqdm(total=n_total, desc="search", unit="plan", file=sys.stderr)
 
-        def measure(pats, buds, what) -> float:
-            r = m.measure(build(n_layer, pats, buds, budget, b_min))
+        def measure(pats, buds, what, allocation: str = "plan") -> float:
+            r = m.measure(with_allocation(build(n_layer, pats, buds, budget, b_min), allocation))
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix_str(f"{what}: KL {r['kl']:.4f} top-1 miss {r['top1']:.3f}")
@@ -442,6 +453,16 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                     if ok:
                         buds, cur = cand_b, kl
                         break
+        allocation = "plan"
+        if prompt_budgets:
+            # the searched budgets as each prompt's pool, re-split per prompt by its own scores (Ada-KV's and
+            # KVzip's global rule, the layers of each pattern among themselves; floors: the patterns' sinks and
+            # windows); exact prefill only: chunked prefill keeps the searched budgets
+            loss = measure(pats, buds, "budgets per prompt", allocation="prompt")
+            ok = loss < cur * (1 - min_gain)
+            steps.append(SearchStep("budgets re-split per prompt by its scores", loss, ok))
+            if ok:
+                allocation, cur = "prompt", loss
         if bar is not None:
             bar.close()
 
@@ -451,8 +472,9 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             signals=[f"{objective}_runtime"],
             extra={"objective": objective, "loss_uniform": uniform, "loss_plan": cur, "plans_measured": m.n_measured,
                    "accepted": [s.what for s in steps if s.accepted], "budgets_from_scores": budgets_from_scores,
+                   "prompt_budgets": allocation == "prompt",
                    **({"score_pattern": score_pattern} if score_pattern else {})})
-        plan = build(n_layer, pats, buds, budget, b_min, provenance=prov)
+        plan = with_allocation(build(n_layer, pats, buds, budget, b_min, provenance=prov), allocation)
 
     plan = dataclasses.replace(plan, evict_every=evict_every)  # checked on entry; build() validated the rest
     res = RuntimeCalibration(plan=plan, out=None, objective=objective, loss_uniform=uniform, loss_plan=cur,

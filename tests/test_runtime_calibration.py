@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from calibration.runtime import (TASK_SEED_OFFSET, _Measure, build, move_budget, runtime_calibrate, task_items,
-                                 text_items)
+                                 text_items, with_allocation)
 from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import CalibrationError
@@ -58,6 +58,25 @@ def test_search_returns_a_valid_plan_no_worse_than_the_best_uniform(searched, ti
     best = min(res.loss_uniform, key=res.loss_uniform.get)
     uniform = build(2, [best] * 2, [48, 48], 48, plan.b_min)
     assert _kl_by_hand(tiny_gguf, uniform) == pytest.approx(res.loss_uniform[best], rel=1e-3, abs=1e-5)
+
+
+def test_search_tries_per_prompt_budgets_last_and_measures_them(searched, tiny_gguf):
+    """The last step measures the searched plan with its budgets re-split per prompt; measured again by hand (fresh
+    exact-prefill contexts), that plan gives the step's loss, and a loss of its own (the allocation acted)."""
+    res = searched
+    step = res.steps[-1]
+    assert step.what == "budgets re-split per prompt by its scores"
+    assert res.plan.provenance.extra["prompt_budgets"] is step.accepted
+    assert (res.plan.allocation == "prompt") is step.accepted
+    fixed = replace(res.plan, allocation="plan") if step.accepted else res.plan
+    per_prompt = with_allocation(fixed, "prompt")
+    assert per_prompt.allocation == "prompt" and per_prompt.b_min == max(
+        max(lp.prefill.reserved, lp.decode.reserved) for lp in fixed.layers)
+    assert [lp.prefill.budget for lp in per_prompt.layers] == [lp.prefill.budget for lp in fixed.layers]
+    got = _kl_by_hand(tiny_gguf, per_prompt)
+    assert got == pytest.approx(step.kl, rel=1e-3, abs=1e-5)
+    assert got != pytest.approx(_kl_by_hand(tiny_gguf, fixed), rel=1e-3, abs=1e-5)
+    assert step.accepted is (step.kl < min(s.kl for s in res.steps[:-1] if s.accepted) * (1 - 0.01))
 
 
 def _kl_by_hand(gguf, plan, ctx=384, n_cont=32) -> float:
