@@ -350,11 +350,13 @@ class Model:
             self._set_native_plan("", 0)
             return
         if prefill == "chunked":
-            self._set_prefill_slack(plan_mod.chunked_prefill_slack(plan, prefill_slack))
-            if plan.allocation == "prompt":
-                warnings.warn("the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"), which needs "
-                              "the whole prompt: chunked prefill keeps the plan's budgets; use prefill=\"exact\" "
-                              "(--prefill-mode exact)", stacklevel=2)
+            slack = plan_mod.chunked_prefill_slack(plan, prefill_slack)
+            self._set_prefill_slack(slack)
+            if plan.allocation == "prompt" and not slack > 1:
+                warnings.warn("the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"): chunked "
+                              "prefill re-splits what each layer holds when the prompt ends (its budget x the prefill "
+                              "slack), so with a slack of 1 it keeps the plan's budgets; use prefill=\"exact\" "
+                              "(--prefill-mode exact) or a prefill slack > 1", stacklevel=2)
         self._set_native_plan(plan.to_json(), kv_budget)
 
     def resolve_plan(self, plan=None, *, use_gguf: bool = False):

@@ -81,7 +81,7 @@ def cmd_run(args) -> int:
             if plan is None:
                 raise PolyKVError("--evict-every needs a plan (--plan FILE or --plan-from-gguf)")
             plan = dataclasses.replace(plan, evict_every=args.evict_every).validate()
-        mode = args.prefill_mode or ("exact" if needs_whole_prompt(plan) else "chunked")
+        mode = args.prefill_mode or ("exact" if needs_whole_prompt(plan, args.prefill_slack) else "chunked")
         model.set_plan(plan, kv_budget=args.kv_budget or 0, prefill=mode, prefill_slack=args.prefill_slack)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,

@@ -768,7 +768,8 @@ def select_adaptive(scores: list[np.ndarray], budget: int) -> list[np.ndarray]:
     return [np.flatnonzero(k) for k in keep]
 
 
-def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_kv: list[int], b_min: int) -> list[int]:
+def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_kv: list[int], b_min: int,
+                    caps: list[int] | None = None) -> list[int]:
     """A plan's ``"allocation": "prompt"``: the budgets of the scored layers re-split for one prompt by their scores
     across the whole model, KVzip's non-uniform allocation (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache
     Compression with Context Reconstruction"; kvpress ``KVzipPress(layerwise=False)``), with a floor per layer.
@@ -778,7 +779,9 @@ def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_k
     ``n_head_kv[l]`` heads (each token counts ``n_head_kv[l]`` (head, token) pairs), or one per KV head (each
     token counts one pair). The pool is the layers' ``sum(budgets[l] * n_head_kv[l])`` pairs. Every set first
     keeps its best ``min(b_min, len)`` tokens; the best-scored of the other entries of every layer then fill the
-    rest of the pool (an entry that no longer fits is passed over). Ties: the entries are listed layer by layer,
+    rest of the pool (an entry that no longer fits, in the pool or under the layer's ``caps[l]`` tokens per KV
+    head, is passed over: chunked prefill caps a layer at what it holds when the prompt ends, its budget x the
+    prefill slack; exact prefill has no cap). Ties: the entries are listed layer by layer,
     set by set, oldest first, and a stable ascending sort is taken from the top. Returns each layer's new
     budget, its pairs // ``n_head_kv[l]``: per KV head each head then keeps that many of its own (or, adaptive,
     the layer splits them by :func:`select_adaptive`). Limits: scores of different layers compare as they are
@@ -812,7 +815,7 @@ def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_k
             break
         l = int(layer_of[j])
         unit = n_head_kv[l] if len(scores[l]) == 1 else 1
-        if unit > left:
+        if unit > left or (caps is not None and taken[l] + unit > caps[l] * n_head_kv[l]):
             continue
         taken[l] += unit
         left -= unit

@@ -998,11 +998,14 @@ def uses_kvzip(plan: "Plan | None") -> bool:
     return plan is not None and any(lp.prefill.pattern in RECONSTRUCTION_PATTERNS for lp in plan.layers)
 
 
-def needs_whole_prompt(plan: "Plan | None") -> bool:
+def needs_whole_prompt(plan: "Plan | None", prefill_slack: float | None = None) -> bool:
     """True if `plan` chooses what to keep from the whole prompt at once: a KVzip layer (its reconstruction pass
-    reads the whole prompt again) or per-prompt budgets (``"allocation": "prompt"``). Chunked prefill cannot run
-    either; `polykv-cpp run` then defaults to exact prefill."""
-    return plan is not None and (plan.allocation == "prompt" or uses_kvzip(plan))
+    reads the whole prompt again) or per-prompt budgets (``"allocation": "prompt"``) without a prefill slack > 1
+    (``prefill_slack``, else the plan's own: chunked prefill re-splits only what each layer holds when the prompt
+    ends, its budget x the slack). `polykv-cpp run` then defaults to exact prefill."""
+    if plan is None:
+        return False
+    return uses_kvzip(plan) or (plan.allocation == "prompt" and not chunked_prefill_slack(plan, prefill_slack) > 1)
 
 
 def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) -> float:

@@ -253,7 +253,8 @@ def test_stock_tools_honour_plan_from_gguf_and_env(tiny_gguf, tmp_path):
 
 def test_run_defaults_to_exact_prefill_for_a_plan_that_needs_the_whole_prompt(cli_exe, tiny_gguf, tmp_path):
     """Per-prompt budgets (and KVzip) need the whole prompt: without --prefill-mode, run compresses it once and says
-    why; the answer equals --prefill-mode exact's; --prefill-mode chunked still streams (with the plan's budgets)."""
+    why; the answer equals --prefill-mode exact's; --prefill-mode chunked still streams (with the plan's budgets),
+    and so does a prefill slack > 1 (the budgets re-split within budget x slack)."""
     from polykv_cpp.plan import uniform_plan
 
     sidecar = tmp_path / "plan.json"
@@ -268,6 +269,10 @@ def test_run_defaults_to_exact_prefill_for_a_plan_that_needs_the_whole_prompt(cl
     assert auto.stdout == exact.stdout and auto.stdout.strip()
     chunked = run_cli(cli_exe, *run, "--prefill-mode", "chunked")
     assert chunked.returncode == 0 and "; chunked prefill" in chunked.stderr, chunked.stderr[-2000:]
+    # with a prefill slack, chunked prefill re-splits what each layer holds when the prompt ends: run streams
+    slack = run_cli(cli_exe, *run, "--prefill-slack", "2")
+    assert slack.returncode == 0 and "; chunked prefill" in slack.stderr, slack.stderr[-2000:]
+    assert "need the whole prompt" not in slack.stderr
     plain = run_cli(cli_exe, "run", tiny_gguf, "--plan", sidecar.parent / "snap.json", "-p", "x", "-n", "1")
     assert plain.returncode == 2 and "Traceback" not in plain.stderr  # a missing plan file: a message
 

@@ -540,7 +540,9 @@ void llama_kv_cache_poly::allocate_prompt() {
 }
 
 // as polykv_cpp.patterns.allocate_prompt: the pool of the candidate layers' budgets, in (head, token) pairs; every
-// token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest
+// token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest. Chunked
+// prefill: a layer gets at most its streaming budget (budget x the prefill slack), what its cache holds with room
+// for one ubatch more; exact prefill holds the whole prompt
 void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
     struct entry {
         double  score;
@@ -549,6 +551,7 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
     int64_t pool = 0;
     std::vector<int64_t> taken(cand.size(), 0);
     std::vector<int64_t> unit(cand.size(), 1);
+    std::vector<int64_t> cap(cand.size(), std::numeric_limits<int64_t>::max());
     std::vector<entry> rest;
     for (size_t k = 0; k < cand.size(); ++k) {
         group & grp = groups[cand[k]];
@@ -558,6 +561,9 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
         }
         pool += (int64_t) pp.budget * grp.n_head_kv;
         unit[k] = grp.per_head ? 1 : grp.n_head_kv;
+        if (!prefill_exact) {
+            cap[k] = (int64_t) streaming_phase(pp).budget * grp.n_head_kv;
+        }
         for (uint32_t s = 0; s < (grp.per_head ? grp.n_head_kv : 1); ++s) {
             const std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(s) : 0);
             const int32_t n = (int32_t) sc.size();
@@ -583,7 +589,7 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
     // ties, the later layer, head and token
     std::stable_sort(rest.begin(), rest.end(), [](const entry & a, const entry & b) { return a.score < b.score; });
     for (auto it = rest.rbegin(); it != rest.rend() && left > 0; ++it) {
-        if (unit[it->k] > left) {
+        if (unit[it->k] > left || taken[it->k] + unit[it->k] > cap[it->k]) {
             continue;
         }
         taken[it->k] += unit[it->k];

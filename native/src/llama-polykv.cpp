@@ -213,9 +213,10 @@ llama_kv_cache_poly::llama_kv_cache_poly(
     for (auto & grp : groups) {
         grp.plan_budget = { grp.phase[0].budget, grp.phase[1].budget };
     }
-    if (plan.allocation_prompt && !prefill_exact) {
-        LLAMA_LOG_WARN("%s: PolyKV: the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"), which needs "
-                       "the whole prompt (exact prefill); chunked prefill keeps the plan's budgets\n", __func__);
+    if (plan.allocation_prompt && !prefill_exact && !(prefill_slack > 1.0f)) {
+        LLAMA_LOG_WARN("%s: PolyKV: the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"); chunked "
+                       "prefill re-splits only what a layer holds when the prompt ends, its budget x the prefill slack, "
+                       "and with a slack of 1 keeps the plan's budgets (use exact prefill or a slack > 1)\n", __func__);
     }
 
     for (size_t g = 0; g < groups.size(); ++g) {
@@ -689,9 +690,11 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
             io.read(budget, sizeof(budget));
             const bool fits = budget[0] >= 0 && budget[0] <= (int32_t) n_ctx && budget[1] >= -1 && budget[1] <= (int32_t) n_ctx &&
                               (budget[1] >= 0) == (grp.plan_budget[1] >= 0);
-            if (!plan.allocation_prompt || !prefill_exact || !fits) {
-                throw std::runtime_error("PolyKV: the saved state holds budgets a per-prompt allocation gave its prompt; it loads into an "
-                                         "exact-prefill context whose plan has \"allocation\": \"prompt\" too");
+            // chunked prefill allocates within what a layer holds when the prompt ends (allocate_pool)
+            const bool held = prefill_exact || budget[0] <= streaming_phase(grp.phase[0]).budget;
+            if (!plan.allocation_prompt || !fits || !held) {
+                throw std::runtime_error("PolyKV: the saved state holds budgets a per-prompt allocation gave its prompt; it loads into a "
+                                         "context whose plan has \"allocation\": \"prompt\" too (chunked: with the same prefill slack)");
             }
             grp.phase[0].budget = budget[0];
             grp.phase[1].budget = budget[1];
@@ -1018,7 +1021,7 @@ llama_polykv_phase_plan llama_kv_cache_poly::stream_phase(const group & grp) con
 
 uint64_t llama_kv_cache_poly::compress_prompt() {
     uint64_t n_freed = 0;
-    if (plan.allocation_prompt && prefill_exact && !prompt_done) {
+    if (plan.allocation_prompt && !prompt_done) {
         allocate_prompt();
     }
     for (auto & grp : groups) {
