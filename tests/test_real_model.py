@@ -54,3 +54,29 @@ def test_shipped_plan_runs_on_default_model(cli_exe, default_model):
     assert "KV cache: PolyKV plan (snapkv, streamingllm, tova)" in proc.stderr
     saved = float(proc.stderr.split("saved ")[1].split("%")[0])
     assert saved > 80.0
+
+
+def test_shipped_per_prompt_plan_re_splits_a_streamed_prompt(default_model):
+    """The per-prompt SnapKV plan streams a long prompt at its slack of 2 (probed by its last 32 tokens, as `run`),
+    and when the prompt ends re-splits what the layers hold: the budgets follow the prompt, within the pool and
+    within budget x slack, and the caches keep their chunked size (no memory beyond the chunked bound)."""
+    from pathlib import Path
+
+    from polykv_cpp import plan as plan_mod
+
+    root = Path(__file__).resolve().parents[1]
+    plan = plan_mod.load(root / "plans" / "qwen2.5-coder-0.5b-instruct-q4_k_m.snapkv23-head-prompt.b512.json")
+    assert plan.allocation == "prompt" and plan.prefill_slack == 2
+    with Model(default_model) as model:
+        tokens = model.tokenize((root / "docs" / "design.md").read_text())[:3000]
+        model.set_plan(plan, prefill="chunked")  # the plan's own slack
+        with model.context(n_ctx=4096, n_threads=2) as ctx:
+            ctx.decode(tokens, probe=tokens[-32:])
+            streamed = ctx.kv_layer_stats()
+            ctx.decode([tokens[0]])  # the first decode step compresses the prompt
+            stats = ctx.kv_layer_stats()
+    budgets = [s.budget_prefill for s in stats]
+    assert [s.budget_prefill for s in streamed] == [512] * 24
+    assert len(set(budgets)) > 1 and sum(budgets) <= 24 * 512 and min(budgets) >= 32 and max(budgets) <= 1024
+    assert [s.capacity for s in stats] == [s.capacity for s in streamed] and len({s.capacity for s in stats}) == 1
+    assert all(s.used <= b + 1 for s, b in zip(stats, budgets))
