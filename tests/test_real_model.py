@@ -65,7 +65,7 @@ def test_shipped_per_prompt_plan_re_splits_a_streamed_prompt(default_model):
     from polykv_cpp import plan as plan_mod
 
     root = Path(__file__).resolve().parents[1]
-    plan = plan_mod.load(root / "plans" / "qwen2.5-coder-0.5b-instruct-q4_k_m.snapkv23-head-prompt.b512.json")
+    plan = plan_mod.load(root / "plans" / "qwen2.5-coder-0.5b-instruct-q4_k_m.snapkv23-head-prompt.b128.json")
     assert plan.allocation == "prompt" and plan.prefill_slack == 2
     with Model(default_model) as model:
         tokens = model.tokenize((root / "docs" / "design.md").read_text())[:3000]
@@ -76,7 +76,7 @@ def test_shipped_per_prompt_plan_re_splits_a_streamed_prompt(default_model):
             ctx.decode([tokens[0]])  # the first decode step compresses the prompt
             stats = ctx.kv_layer_stats()
     budgets = [s.budget_prefill for s in stats]
-    assert [s.budget_prefill for s in streamed] == [512] * 24
-    assert len(set(budgets)) > 1 and sum(budgets) <= 24 * 512 and min(budgets) >= 32 and max(budgets) <= 1024
+    assert [s.budget_prefill for s in streamed] == [128] * 24
+    assert len(set(budgets)) > 1 and sum(budgets) <= 24 * 128 and min(budgets) >= 32 and max(budgets) <= 256
     assert [s.capacity for s in stats] == [s.capacity for s in streamed] and len({s.capacity for s in stats}) == 1
     assert all(s.used <= b + 1 for s, b in zip(stats, budgets))
