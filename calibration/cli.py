@@ -85,8 +85,8 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
         text_field=args.text_field, split=args.split, tasks=_csv(args.tasks) if args.tasks else None,
         protocols=PROTOCOL_CHOICES[args.protocol], objective=args.objective,
         budget_moves=not args.no_budget_moves, budgets_from_scores=args.budgets_from_scores,
-        prompt_budgets=not args.no_prompt_budgets, score_pattern=args.score_pattern, min_gain=args.min_gain, plan_out=args.plan_out, n_threads=args.threads,
-        progress=not args.quiet, evict_every=args.evict_every)
+        prompt_budgets=not args.no_prompt_budgets, score_pattern=args.score_pattern, min_gain=args.min_gain,
+        plan_out=args.plan_out, n_threads=args.threads, progress=not args.quiet, evict_every=args.evict_every)
     print(res.plan.summary())
     what = {"kl": "KL vs FullKV", "top1": "top-1 misses vs FullKV"}[res.objective]
     print(f"{what} on the calibration continuations: " +

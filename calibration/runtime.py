@@ -457,7 +457,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         if prompt_budgets:
             # the searched budgets as each prompt's pool, re-split per prompt by its own scores (Ada-KV's and
             # KVzip's global rule, the layers of each pattern among themselves; floors: the patterns' sinks and
-            # windows); exact prefill only: chunked prefill keeps the searched budgets
+            # windows), measured as exact prefill compresses (chunked prefill re-splits within budget x its slack)
             loss = measure(pats, buds, "budgets per prompt", allocation="prompt")
             ok = loss < cur * (1 - min_gain)
             steps.append(SearchStep("budgets re-split per prompt by its scores", loss, ok))
