@@ -803,7 +803,6 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
                     for (auto & row : grp.ring) {
                         io.read(&row[off + c], sizeof(float));
                     }
-                    grp.ring_changed();
                 }
             }
         }
