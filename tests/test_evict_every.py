@@ -83,7 +83,9 @@ def test_capacity_has_room_for_the_tokens_between_evictions(twin, tokens):
                 pad = ctx.kv_layer_stats()[0].cell_pad
                 used = {s.used for s in ctx.kv_layer_stats()}
                 ms, steps = ctx.decode_timing()
-            assert steps == N and ms > 0.0  # the host time of the decode steps' evictions, step by step
+            # the host time of the decode steps' evictions, step by step; with k = 300 no step evicts, and the
+            # steps' bookkeeping alone can add up to less than a microsecond
+            assert steps == N and (ms > 0.0 if k == 1 else ms >= 0.0)
         # one ubatch of room with k = 1; budget + k (padded: 64 and 320 cells on the CPU) with k = 300; the prompt was compressed
         # to the budget as it streamed, and with k = 300 no decode step evicted since
         assert caps == {padded(B_DECODE + 32, pad) if k == 1 else padded(B_DECODE + 300, pad)}
