@@ -109,7 +109,10 @@ def register_cli(subparsers: Any) -> None:
                    "the tokenizer) of the same model as --gguf. Default: transformers converts the GGUF itself "
                    "(dequantized) into ~/.cache/polykv-cpp/hf/<name>, once")
     p.add_argument("--gguf", required=True, metavar="FILE", help="the model GGUF the plan is for")
-    p.add_argument("--out", metavar="FILE", help="output GGUF (input + plan); a new file")
+    p.add_argument("--out", metavar="FILE",
+                   help="output GGUF (input + plan); a new file. A plan calibrated with --protocol query-agnostic "
+                        "goes to its polykv.plan_query_agnostic key (the input's polykv.plan stays), any other to "
+                        "polykv.plan (the input's query-agnostic plan stays)")
     p.add_argument("--plan-out", metavar="FILE", help="also write the plan as JSON")
     p.add_argument("--budget", type=int, default=512, help="average KV tokens per layer (default 512)")
     p.add_argument("--dataset", default="builtin", help="builtin (offline: Python stdlib sources; default), "

@@ -370,6 +370,6 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
         plan_out.parent.mkdir(parents=True, exist_ok=True)
         plan_out.write_text(plan.to_json() + "\n")
     if out is not None:
-        plan_mod.write_gguf(gguf_path, out, plan, progress=progress)
+        plan_mod.embed_plans(gguf_path, out, plan=plan, progress=progress)  # a query-agnostic plan in the source stays
     return CalibrationResult(plan=plan, out=out, signals_path=sig_path, signals=sig, reused_signals=reused,
                              wall_s=time.perf_counter() - t_start, timings=timings)

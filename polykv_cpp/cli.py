@@ -72,7 +72,10 @@ def cmd_run(args) -> int:
         n_gpu_layers = 99 if n_gpu_layers is None else n_gpu_layers
     with Model(model_path, n_gpu_layers=n_gpu_layers) as model:
         t_load = time.perf_counter() - t0
-        plan = model.resolve_plan(args.plan, use_gguf=args.plan_from_gguf)
+        # a question given apart is read after the prompt's compression: the model file's query-agnostic plan, if any
+        protocol = "query-agnostic" if (args.question or "").strip() else "query-aware"
+        plan = model.resolve_plan(args.plan, use_gguf=args.plan_from_gguf, protocol=protocol)
+        plan_key = model.gguf_plan_key
         if args.protect_tail is not None:
             if plan is None:
                 raise PolyKVError("--protect-tail needs a plan (--plan FILE or --plan-from-gguf)")
@@ -113,6 +116,8 @@ def cmd_run(args) -> int:
                 gen_input = q_tokens  # the prompt is in the cache; generation starts from its logits or the question
             if question:
                 label += f", compressed before the question ({len(q_tokens)} tokens)"
+            if plan_key:
+                label += f"; the model file's plan {plan_key}"
             if plan is not None and plan.protect_tail:
                 label += f", the prompt's last {plan.protect_tail} tokens kept on top of the budget"
             probe = None

@@ -4,7 +4,10 @@ A plan is a versioned JSON document (see ``docs/plan-format.md``). It travels ei
 file or inside a GGUF as two metadata keys:
 
 * ``polykv.plan``    STRING, the plan's JSON text;
-* ``polykv.version`` UINT32, the plan format version (1).
+* ``polykv.version`` UINT32, the plan format version (1);
+* ``polykv.plan_query_agnostic`` STRING (optional), a second plan for prompts compressed before their question
+  exists (``run --question``, a chat history): the tools that know the question comes later use it, stock
+  llama.cpp tools and every other path use ``polykv.plan``.
 
 (llama.cpp's ``llama_model_meta_val_str`` does not see array-typed keys, hence one JSON string.)
 
@@ -64,6 +67,8 @@ __all__ = [
     "pyramid_plan",
     "load",
     "read_gguf",
+    "gguf_plan_key",
+    "embed_plans",
     "write_gguf",
     "read_gguf_metadata",
     "register_cli",
@@ -85,6 +90,10 @@ MAX_PREFILL_SLACK = 1e6
 #: the largest ``evict_every``: a layer's cache holds up to ``budget + evict_every - 1`` tokens between evictions
 MAX_EVICT_EVERY = 65536
 GGUF_KEY_PLAN = "polykv.plan"
+#: the plan for prompts compressed before their question exists (query-agnostic), next to ``polykv.plan``
+GGUF_KEY_PLAN_QUERY_AGNOSTIC = "polykv.plan_query_agnostic"
+#: the GGUF key that holds the plan for each protocol of the evaluation (query-aware: the question is in the prompt)
+GGUF_PLAN_KEYS = {"query-aware": GGUF_KEY_PLAN, "query-agnostic": GGUF_KEY_PLAN_QUERY_AGNOSTIC}
 GGUF_KEY_VERSION = "polykv.version"
 GGUF_KEY_PREFIX = "polykv."
 
@@ -1356,28 +1365,45 @@ def _is_gguf(path: Path) -> bool:
         return False
 
 
-def read_gguf(path: str | os.PathLike, *, validate: bool = True) -> Plan | None:
-    """The plan stored in a GGUF (``polykv.plan``), or None if it has none.
+def read_gguf(path: str | os.PathLike, *, validate: bool = True, key: str = GGUF_KEY_PLAN) -> Plan | None:
+    """The plan stored in a GGUF under ``key`` (``polykv.plan``; or ``polykv.plan_query_agnostic``), or None if it
+    has none.
 
     With ``validate`` the plan is checked against the GGUF's block count. Raises PlanError for a missing or
-    non-GGUF file, a ``polykv.version`` other than 1, a non-string ``polykv.plan`` or an invalid plan.
+    non-GGUF file, a ``polykv.version`` other than 1, a non-string plan key or an invalid plan.
     """
     kv = read_gguf_metadata(path)
-    if GGUF_KEY_PLAN not in kv:
+    if key not in kv:
         return None
     ver = kv.get(GGUF_KEY_VERSION)
     if ver is not None and ver != PLAN_FORMAT_VERSION:
         raise PlanError(f"{path}: {GGUF_KEY_VERSION} is {ver!r}; this polykv-cpp reads plan format "
                         f"{PLAN_FORMAT_VERSION}")
-    text = kv[GGUF_KEY_PLAN]
+    text = kv[key]
     if not isinstance(text, str):
-        raise PlanError(f"{path}: {GGUF_KEY_PLAN} must be a STRING key holding the plan's JSON")
-    plan = Plan.from_json(text)
-    if validate:
-        arch = kv.get("general.architecture")
-        n = kv.get(f"{arch}.block_count") if isinstance(arch, str) else None
-        plan.validate(n if _is_int(n) else None)
+        raise PlanError(f"{path}: {key} must be a STRING key holding the plan's JSON")
+    try:
+        plan = Plan.from_json(text)
+        if validate:
+            arch = kv.get("general.architecture")
+            n = kv.get(f"{arch}.block_count") if isinstance(arch, str) else None
+            plan.validate(n if _is_int(n) else None)
+    except PlanError as e:
+        raise PlanError(f"{path}: {key}: {e}") from None
     return plan
+
+
+def gguf_plan_key(meta: Mapping[str, Any], protocol: str) -> str | None:
+    """The key of the plan a GGUF holds for ``protocol`` ("query-aware": the question is in the compressed prompt;
+    "query-agnostic": the prompt is compressed before its question exists), None if it holds no plan. ``meta``:
+    the GGUF's metadata (a mapping; only the plan keys are read). Query-agnostic prefers ``polykv.plan_query_agnostic`` and falls back to ``polykv.plan``, the plan of every
+    other use."""
+    if protocol not in GGUF_PLAN_KEYS:
+        raise PlanError(f"protocol must be one of {', '.join(GGUF_PLAN_KEYS)} (got {protocol!r})")
+    for key in dict.fromkeys((GGUF_PLAN_KEYS[protocol], GGUF_KEY_PLAN)):
+        if meta.get(key):
+            return key
+    return None
 
 
 def load(path: str | os.PathLike, *, validate: bool = True, n_layer: int | None = None) -> Plan:
@@ -1414,13 +1440,14 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def write_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, plan: Plan, *, progress: bool = False,
-               verify: bool = True) -> Path:
+               verify: bool = True, query_agnostic_plan: Plan | None = None) -> Path:
     """Write a NEW GGUF ``dst_path`` = the model ``src_path`` plus the plan; the source is never modified.
 
     All metadata of the source is copied with its types (existing ``polykv.*`` keys are dropped: they
     belong to the plan being replaced), then ``polykv.version`` (UINT32 1) and ``polykv.plan`` (STRING,
-    compact JSON) are appended. Tensors are copied byte for byte (quantized blocks are not touched) with the
-    source's alignment and byte order. The file is written under a temporary name next to ``dst_path`` and
+    compact JSON) are appended, and ``polykv.plan_query_agnostic`` with ``query_agnostic_plan``: the plan for
+    prompts compressed before their question exists (:func:`gguf_plan_key`). Tensors are copied byte for byte
+    (quantized blocks are not touched) with the source's alignment and byte order. The file is written under a temporary name next to ``dst_path`` and
     renamed into place. With ``verify`` the result is read back and compared with the source (every key,
     every tensor's type, shape and bytes) and checked against the layout rules of llama.cpp's GGUF reader
     (aligned data section and tensor offsets, tensors inside the file); on failure it is deleted.
@@ -1437,9 +1464,15 @@ def write_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, plan: P
         raise PlanError(f"refusing to overwrite the source model {src}; write the plan into a new file")
     if not _is_gguf(src):
         raise PlanError(f"{src} is not a GGUF file")
-    plan.validate()
     info = ModelInfo.from_gguf(src)
+    plan.validate()
     plan.check_model(info)
+    if query_agnostic_plan is not None:
+        try:
+            query_agnostic_plan.validate()
+            query_agnostic_plan.check_model(info)
+        except PlanError as e:
+            raise PlanError(f"the query-agnostic plan: {e}") from None
 
     reader = gguf.GGUFReader(src, "r")
     arch_field = reader.get_field(gguf.Keys.General.ARCHITECTURE)
@@ -1458,6 +1491,9 @@ def write_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, plan: P
             writer.add_key_value(name, value, vtype, sub_type=sub)
         writer.add_key_value(GGUF_KEY_VERSION, PLAN_FORMAT_VERSION, gguf.GGUFValueType.UINT32)
         writer.add_key_value(GGUF_KEY_PLAN, plan.to_json(indent=None), gguf.GGUFValueType.STRING)
+        if query_agnostic_plan is not None:
+            writer.add_key_value(GGUF_KEY_PLAN_QUERY_AGNOSTIC, query_agnostic_plan.to_json(indent=None),
+                                 gguf.GGUFValueType.STRING)
         for t in reader.tensors:
             writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
         writer.write_header_to_file()
@@ -1483,7 +1519,7 @@ def write_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, plan: P
             os.fsync(fo.fileno())
         writer.close()
         if verify:
-            _verify_copy(src, tmp, plan)
+            _verify_copy(src, tmp, {GGUF_KEY_PLAN: plan, GGUF_KEY_PLAN_QUERY_AGNOSTIC: query_agnostic_plan})
         os.replace(tmp, dst)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -1491,6 +1527,23 @@ def write_gguf(src_path: str | os.PathLike, dst_path: str | os.PathLike, plan: P
     finally:
         del reader
     return dst
+
+
+def embed_plans(src_path: str | os.PathLike, dst_path: str | os.PathLike, *, plan: Plan | None = None,
+                query_agnostic_plan: Plan | None = None, progress: bool = False) -> Path:
+    """:func:`write_gguf` that replaces only the plans given: a key not given keeps the source's plan under it
+    (calibrating one protocol leaves the other's plan in place). Without any ``polykv.plan`` (none given, none in
+    the source) a query-agnostic plan becomes the model's only plan, ``polykv.plan``, the one stock tools read."""
+    if plan is None and query_agnostic_plan is None:
+        raise PlanError("nothing to write: give a plan, a query-agnostic plan or both")
+    src = Path(src_path)
+    if plan is None:
+        plan = read_gguf(src) if src.is_file() and _is_gguf(src) else None
+    if query_agnostic_plan is None and src.is_file() and _is_gguf(src):
+        query_agnostic_plan = read_gguf(src, key=GGUF_KEY_PLAN_QUERY_AGNOSTIC)
+    if plan is None:
+        plan, query_agnostic_plan = query_agnostic_plan, None
+    return write_gguf(src, dst_path, plan, query_agnostic_plan=query_agnostic_plan, progress=progress)
 
 
 def _field_value(fld: Any, name: str) -> tuple[Any, Any, Any]:
@@ -1546,7 +1599,7 @@ def _check_llama_layout(lay: _Layout, path: Path, quant_sizes: Mapping[Any, tupl
     return sizes
 
 
-def _verify_copy(src: Path, out_path: Path, plan: Plan) -> None:
+def _verify_copy(src: Path, out_path: Path, plans: Mapping[str, Plan | None]) -> None:
     """Compare the written file with its source: every non-polykv key's type and raw value bytes, the
     polykv keys, every tensor's name, shape, type and bytes; and llama.cpp's layout rules."""
     from gguf import GGML_QUANT_SIZES
@@ -1554,7 +1607,7 @@ def _verify_copy(src: Path, out_path: Path, plan: Plan) -> None:
     a = _read_layout(src, want_raw=True)
     b = _read_layout(out_path, want_raw=True)
     want = {k: v for k, v in a.raw.items() if not k.startswith(GGUF_KEY_PREFIX)}
-    have = {k: v for k, v in b.raw.items() if k not in (GGUF_KEY_PLAN, GGUF_KEY_VERSION)}
+    have = {k: v for k, v in b.raw.items() if k != GGUF_KEY_VERSION and k not in plans}
     if set(want) != set(have):
         raise PlanError(f"metadata keys differ after the copy (missing {sorted(set(want) - set(have))}, "
                         f"unexpected {sorted(set(have) - set(want))})")
@@ -1563,10 +1616,15 @@ def _verify_copy(src: Path, out_path: Path, plan: Plan) -> None:
             raise PlanError(f"metadata key {k!r} changed during the copy")
     if b.raw.get(GGUF_KEY_VERSION, (None,))[0] != _T_UINT32 or b.values.get(GGUF_KEY_VERSION) != PLAN_FORMAT_VERSION:
         raise PlanError(f"{GGUF_KEY_VERSION} was not written as UINT32 {PLAN_FORMAT_VERSION}")
-    text = b.values.get(GGUF_KEY_PLAN)
-    if b.raw.get(GGUF_KEY_PLAN, (None,))[0] != _T_STRING or not isinstance(text, str) \
-            or Plan.from_json(text).to_dict() != plan.to_dict():
-        raise PlanError(f"{GGUF_KEY_PLAN} does not read back as the plan")
+    for key, plan in plans.items():
+        text = b.values.get(key)
+        if plan is None:
+            if key in b.raw:
+                raise PlanError(f"{key} was written without a plan")
+            continue
+        if b.raw.get(key, (None,))[0] != _T_STRING or not isinstance(text, str) \
+                or Plan.from_json(text).to_dict() != plan.to_dict():
+            raise PlanError(f"{key} does not read back as the plan")
     if [(n, d, t) for n, d, t, _ in a.tensors] != [(n, d, t) for n, d, t, _ in b.tensors]:
         raise PlanError("tensor names, shapes or types changed during the copy")
     sizes = _check_llama_layout(b, out_path, GGML_QUANT_SIZES)
@@ -1596,6 +1654,23 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         n_layer = info.n_layer
     plan = load(p, validate=True, n_layer=n_layer)
     print(f"OK: {plan.summary()}")
+    if p.is_file() and _is_gguf(p):
+        second = read_gguf(p, key=GGUF_KEY_PLAN_QUERY_AGNOSTIC)
+        if second is not None:
+            second.validate(n_layer)
+            print(f"OK ({GGUF_KEY_PLAN_QUERY_AGNOSTIC}): {second.summary()}")
+    return 0
+
+
+def _cmd_write(args: argparse.Namespace) -> int:
+    plan = load(args.plan) if args.plan else None
+    qag = load(args.query_agnostic_plan) if args.query_agnostic_plan else None
+    out = embed_plans(args.model, args.out, plan=plan, query_agnostic_plan=qag, progress=not args.quiet)
+    print(f"wrote {out}")
+    for key in (GGUF_KEY_PLAN, GGUF_KEY_PLAN_QUERY_AGNOSTIC):
+        got = read_gguf(out, key=key)
+        if got is not None:
+            print(f"  {key}: {got.summary()}")
     return 0
 
 
@@ -1614,4 +1689,17 @@ def register_cli(subparsers: Any) -> None:
     pv.add_argument("file", metavar="FILE", help="plan .json or .gguf")
     pv.add_argument("--n-layer", type=int, default=None, metavar="N", help="expected number of layers")
     pv.set_defaults(func=_cmd_validate)
+    pw = sub.add_parser("write", help="write a new GGUF: a model plus plans from JSON files (the source is kept)",
+                        description=f"Copy MODEL to OUT with the plans given: --plan as {GGUF_KEY_PLAN} (what every "
+                                    f"tool uses), --query-agnostic-plan as {GGUF_KEY_PLAN_QUERY_AGNOSTIC} (what "
+                                    "`run --question` and examples/chat.py use: the prompt is compressed before "
+                                    "its question exists). A plan not given keeps MODEL's own. MODEL is never "
+                                    "modified.")
+    pw.add_argument("model", metavar="MODEL", help="source GGUF")
+    pw.add_argument("out", metavar="OUT", help="new GGUF to write (not MODEL)")
+    pw.add_argument("--plan", metavar="FILE", help=f"plan (JSON or GGUF) for {GGUF_KEY_PLAN}")
+    pw.add_argument("--query-agnostic-plan", metavar="FILE",
+                    help=f"plan (JSON or GGUF) for {GGUF_KEY_PLAN_QUERY_AGNOSTIC}")
+    pw.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    pw.set_defaults(func=_cmd_write)
     PLAN_SUBPARSERS = sub

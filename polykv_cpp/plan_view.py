@@ -170,7 +170,13 @@ def cmd_show(args: argparse.Namespace) -> int:
     from polykv_cpp import plan as plan_mod
 
     path = Path(args.file)
-    plan = plan_mod.load(path, validate=not args.no_validate)
+    if args.query_agnostic:
+        plan = plan_mod.read_gguf(path, validate=not args.no_validate, key=plan_mod.GGUF_KEY_PLAN_QUERY_AGNOSTIC) \
+            if plan_mod._is_gguf(path) else None
+        if plan is None:
+            raise plan_mod.PlanError(f"{path} holds no {plan_mod.GGUF_KEY_PLAN_QUERY_AGNOSTIC} plan")
+    else:
+        plan = plan_mod.load(path, validate=not args.no_validate)
     if args.json:
         print(plan.to_json())
         return 0
@@ -200,4 +206,6 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--no-signals", action="store_true", help="do not look for a signals file")
     p.add_argument("--json", action="store_true", help="print the plan's JSON instead of the table")
     p.add_argument("--no-validate", action="store_true", help="show even an invalid plan")
+    p.add_argument("--query-agnostic", action="store_true",
+                   help="a GGUF's second plan, polykv.plan_query_agnostic (for prompts compressed before their question)")
     p.set_defaults(func=cmd_show)

@@ -120,6 +120,9 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
     text_as_gguf = work / "notes.gguf"
     text_as_gguf.write_text("this is not a model\n" * 100)
     write_gguf(model, work / "tiny.polykv.gguf", good)
+    bad_qag_plan = work / "bad-query-agnostic-plan.gguf"
+    _write_raw_plan_key(work / "tiny.polykv.gguf", bad_qag_plan, '{"version": 1, "n_layer": 2, "layers": []}',
+                        key="polykv.plan_query_agnostic")
 
     prompt = ["-p", "the cat and the dog " * 20, "-n", "4", "-c", "512", "--no-echo"]
     run = lambda *a, **kw: Case(argv=["{cli}", "run", *a], **kw)  # noqa: E731
@@ -134,6 +137,8 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
         run(str(bad_gguf_plan), "--plan-from-gguf", *prompt, what="GGUF key `polykv.plan`",
             tried="`layers` is a string"),
         run(str(model), "--plan-from-gguf", *prompt, what="GGUF key `polykv.plan`", tried="no plan in the model"),
+        run(str(bad_qag_plan), "--plan-from-gguf", "--question", "where is the cat?", *prompt,
+            what="GGUF key `polykv.plan_query_agnostic`", tried="no layers (`run --question`)"),
         run(str(work / "missing.gguf"), *prompt, what="model file", tried="does not exist"),
         run(str(truncated), *prompt, what="model file", tried="truncated to a third"),
         run(str(text_as_gguf), *prompt, what="model file", tried="a text file named .gguf"),
@@ -190,8 +195,9 @@ def _bytes_file(path: Path, data: bytes) -> str:
     return str(path)
 
 
-def _write_raw_plan_key(src: Path, dst: Path, text: str) -> None:
-    """A copy of `src` whose `polykv.plan` holds `text` unchecked (the gguf package, not our validator)."""
+def _write_raw_plan_key(src: Path, dst: Path, text: str, key: str = "polykv.plan") -> None:
+    """A copy of `src` whose `key` (`polykv.plan`) holds `text` unchecked (the gguf package, not our validator);
+    `src`'s own keys are copied, its plan included."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
@@ -202,8 +208,9 @@ def _write_raw_plan_key(src: Path, dst: Path, text: str) -> None:
             continue
         writer.add_key_value(field.name, field.contents(), field.types[0],
                              field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None)
-    writer.add_string("polykv.plan", text)
-    writer.add_string("polykv.version", "1")
+    writer.add_string(key, text)
+    if "polykv.version" not in reader.fields:
+        writer.add_string("polykv.version", "1")
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_shape=list(reversed(t.shape.tolist())), raw_dtype=t.tensor_type)
     writer.write_header_to_file()

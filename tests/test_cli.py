@@ -117,6 +117,29 @@ def test_run_evict_every_batches_decode_eviction(cli_exe, tiny_gguf, tmp_path):
     assert bad.returncode == 2 and "--evict-every needs a plan" in bad.stderr
 
 
+def test_run_question_takes_the_model_files_query_agnostic_plan(cli_exe, tiny_gguf, tmp_path):
+    """A GGUF with both plans: a prompt read whole (the question inside) follows polykv.plan, a prompt compressed
+    before its --question follows polykv.plan_query_agnostic; a model with one plan serves both."""
+    from polykv_cpp.plan import uniform_plan, write_gguf
+
+    both = write_gguf(tiny_gguf, tmp_path / "both.gguf", uniform_plan(2, "streamingllm", 32, n_sink=4),
+                      query_agnostic_plan=uniform_plan(2, "h2o", 48, n_sink=4))
+    one = write_gguf(tiny_gguf, tmp_path / "one.gguf", uniform_plan(2, "streamingllm", 32, n_sink=4))
+    common = ["-p", "the cat and the dog " * 20, "-n", "4", "-c", "1024", "-ub", "128", "--no-echo", "-v",
+              "--plan-from-gguf"]
+    aware = run_cli(cli_exe, "run", both, *common)
+    agnostic = run_cli(cli_exe, "run", both, *common, "--question", "where is the cat?")
+    fallback = run_cli(cli_exe, "run", one, *common, "--question", "where is the cat?")
+    for proc in (aware, agnostic, fallback):
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "KV cache: PolyKV plan (streamingllm)" in aware.stderr and "the model file's plan polykv.plan" in aware.stderr
+    assert "budget 32/32" in aware.stderr
+    assert "KV cache: PolyKV plan (h2o)" in agnostic.stderr and "budget 48/48" in agnostic.stderr
+    assert "the model file's plan polykv.plan_query_agnostic" in agnostic.stderr
+    assert "KV cache: PolyKV plan (streamingllm)" in fallback.stderr
+    assert "the model file's plan polykv.plan;" in fallback.stderr or "the model file's plan polykv.plan\n" in fallback.stderr
+
+
 def test_run_with_plan_reports_memory_saved(cli_exe, tiny_gguf, tmp_path):
     from polykv_cpp.plan import uniform_plan, write_gguf
 

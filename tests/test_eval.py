@@ -522,6 +522,20 @@ def test_a_plan_runs_as_written_at_its_own_budget_and_rescaled_elsewhere(tiny_gg
     assert runs[128].token_budgets("prefill") == runs[128].token_budgets("decode") == [128, 128]
 
 
+def test_a_model_files_two_plans_are_two_methods(tiny_gguf, tmp_path):
+    from polykv_cpp.plan import uniform_plan, write_gguf
+
+    main, qag = uniform_plan(2, "snapkv", 64, window=16, obs_window=16), uniform_plan(2, "h2o", 48, window=16)
+    both = write_gguf(tiny_gguf, tmp_path / "both.gguf", main, query_agnostic_plan=qag)
+    for plan_from_gguf, want in (("auto", {"polykv": main, "polykv-query-agnostic": qag}), ("no", {})):
+        ev = Evaluator(EvalConfig(model=str(both), out_dir=str(tmp_path / plan_from_gguf), methods=["fullkv"],
+                                  plan_from_gguf=plan_from_gguf, **TINY_BASE), log=lambda m: None)
+        ev.setup()
+        ev.model.close()
+        assert ev.plans == want
+        assert {r.method for r in ev.runs} == {"fullkv", *want}
+
+
 def test_unsupported_model_falls_back_to_fullkv(tiny_gguf, tmp_path, monkeypatch):
     reason = "PolyKV: architecture 'gemma3' is not supported yet"
     monkeypatch.setattr(Evaluator, "_probe_plan_support", lambda self, plan: reason)

@@ -220,6 +220,75 @@ def test_write_gguf_custom_alignment_and_replaces_old_keys(tmp_path):
     assert P.read_gguf(first) != second_plan
 
 
+def test_gguf_holds_a_query_agnostic_plan_beside_the_plan(tmp_path):
+    src = tmp_path / "model.gguf"
+    write_small_gguf(src)
+    before = sha(src)
+    main, qag = mixed_plan(), P.uniform_plan(6, "kvzip", 48, selection="head", allocation="prompt", b_min=4)
+    both = P.write_gguf(src, tmp_path / "both.gguf", main, query_agnostic_plan=qag)
+    assert sha(src) == before
+    assert P.read_gguf(both) == main and P.load(both) == main  # every other path reads polykv.plan
+    assert P.read_gguf(both, key=P.GGUF_KEY_PLAN_QUERY_AGNOSTIC) == qag
+    meta = P.read_gguf_metadata(both)
+    assert P.gguf_plan_key(meta, "query-agnostic") == P.GGUF_KEY_PLAN_QUERY_AGNOSTIC
+    assert P.gguf_plan_key(meta, "query-aware") == P.GGUF_KEY_PLAN
+    assert P.gguf_plan_key(P.read_gguf_metadata(src), "query-agnostic") is None
+    with pytest.raises(PlanError, match="protocol must be one of"):
+        P.gguf_plan_key(meta, "both")
+
+    # replacing one protocol's plan keeps the other's
+    new_main = P.uniform_plan(6, "h2o", 40)
+    a = P.embed_plans(both, tmp_path / "a.gguf", plan=new_main)
+    assert P.read_gguf(a) == new_main and P.read_gguf(a, key=P.GGUF_KEY_PLAN_QUERY_AGNOSTIC) == qag
+    new_qag = P.uniform_plan(6, "streamingllm", 40)
+    b = P.embed_plans(a, tmp_path / "b.gguf", query_agnostic_plan=new_qag)
+    assert P.read_gguf(b) == new_main and P.read_gguf(b, key=P.GGUF_KEY_PLAN_QUERY_AGNOSTIC) == new_qag
+    # the query-agnostic plan of a model without any plan is its only plan, the one stock tools read
+    c = P.embed_plans(src, tmp_path / "c.gguf", query_agnostic_plan=new_qag)
+    assert P.read_gguf(c) == new_qag and P.read_gguf(c, key=P.GGUF_KEY_PLAN_QUERY_AGNOSTIC) is None
+    assert P.gguf_plan_key(P.read_gguf_metadata(c), "query-agnostic") == P.GGUF_KEY_PLAN
+    with pytest.raises(PlanError, match="nothing to write"):
+        P.embed_plans(src, tmp_path / "d.gguf")
+    # a query-agnostic plan that does not fit the model is refused like the plan, and nothing is left
+    with pytest.raises(PlanError, match="the query-agnostic plan: the plan is for 4 layers but the model"):
+        P.write_gguf(src, tmp_path / "e.gguf", main, query_agnostic_plan=P.uniform_plan(4, "h2o", 40).validate())
+    assert not (tmp_path / "e.gguf").exists()
+
+
+def test_plan_write_and_validate_cli(tmp_path, capsys):
+    src = tmp_path / "model.gguf"
+    write_small_gguf(src)
+    main_f, qag_f = tmp_path / "main.json", tmp_path / "qag.json"
+    main_f.write_text(mixed_plan().to_json())
+    qag_f.write_text(P.uniform_plan(6, "kvzip", 40, selection="head").to_json())
+    ap = argparse.ArgumentParser()
+    P.register_cli(ap.add_subparsers())
+    out = tmp_path / "out.gguf"
+    args = ap.parse_args(["plan", "write", str(src), str(out), "--plan", str(main_f), "--query-agnostic-plan",
+                          str(qag_f), "-q"])
+    assert args.func(args) == 0
+    assert P.read_gguf(out, key=P.GGUF_KEY_PLAN_QUERY_AGNOSTIC) == P.load(qag_f)
+    args = ap.parse_args(["plan", "validate", str(out)])
+    capsys.readouterr()
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "OK: " in text and f"OK ({P.GGUF_KEY_PLAN_QUERY_AGNOSTIC}): " in text and "kvzip" in text
+    from polykv_cpp import plan_view
+
+    plan_view.register_cli(None)
+    for extra, want, other in (([], "knorm", "kvzip"), (["--query-agnostic"], "kvzip", "knorm")):
+        args = ap.parse_args(["plan", "show", str(out), "--no-signals", *extra])
+        assert args.func(args) == 0
+        text = capsys.readouterr().out
+        assert want in text and other not in text
+    args = ap.parse_args(["plan", "show", str(src), "--query-agnostic"])
+    with pytest.raises(PlanError, match="holds no polykv.plan_query_agnostic plan"):
+        args.func(args)
+    args = ap.parse_args(["plan", "write", str(src), str(src), "--plan", str(main_f), "-q"])
+    with pytest.raises(PlanError, match="refusing to overwrite the source"):
+        args.func(args)
+
+
 def test_write_gguf_refuses_source_as_destination(tmp_path):
     src = tmp_path / "model.gguf"
     write_small_gguf(src)

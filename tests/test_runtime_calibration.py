@@ -195,6 +195,17 @@ def test_runtime_calibration_on_tasks(tiny_gguf, tmp_path):
                           log=lambda m: None)
 
 
+def test_a_query_agnostic_calibration_writes_the_files_second_plan(searched, tmp_path):
+    """Calibrated for the question after the compression, into a model that has a plan: the plan goes to
+    polykv.plan_query_agnostic and the source's polykv.plan stays."""
+    out = tmp_path / "both.gguf"
+    res = runtime_calibrate(searched.out, out, budget=48, samples=1, ctx=500, dataset="tasks", tasks=["niah_single"],
+                            protocols=("query-agnostic",), patterns=("streamingllm", "snapkv"), budget_moves=False,
+                            prompt_budgets=False, progress=False, log=lambda m: None)
+    assert plan_mod.read_gguf(out) == plan_mod.read_gguf(searched.out)
+    assert plan_mod.read_gguf(out, key=plan_mod.GGUF_KEY_PLAN_QUERY_AGNOSTIC) == res.plan
+
+
 def test_search_candidates_may_set_a_pooling_kernel(tiny_gguf):
     """A candidate `snapkv@3` is SnapKV with pooling kernel 3: the plan's layers that chose it carry the kernel,
     and a kernel the pattern does not take is refused."""

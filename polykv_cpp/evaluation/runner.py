@@ -398,6 +398,12 @@ class Evaluator:
                 self.plan_origin["polykv"] = f"{self.model_path} (polykv.plan key)"
             elif cfg.plan_from_gguf == "yes":
                 raise EvalError(f"{self.model_path} holds no PolyKV plan (no polykv.plan key)")
+        key = plan_mod.GGUF_KEY_PLAN_QUERY_AGNOSTIC
+        if "polykv-query-agnostic" not in self.plans and cfg.plan_from_gguf != "no":
+            text = m.meta(key)
+            if text:
+                self.plans["polykv-query-agnostic"] = plan_mod.Plan.from_json(text).validate(n_layer=self.n_layer)
+                self.plan_origin["polykv-query-agnostic"] = f"{self.model_path} ({key} key)"
         methods = list(dict.fromkeys(cfg.methods + [n for n in self.plans if n not in cfg.methods]))
         for meth in methods:
             if meth != FULLKV and not is_baseline(meth) and meth not in self.plans:
