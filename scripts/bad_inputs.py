@@ -138,7 +138,7 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
             tried="`layers` is a string"),
         run(str(model), "--plan-from-gguf", *prompt, what="GGUF key `polykv.plan`", tried="no plan in the model"),
         run(str(bad_qag_plan), "--plan-from-gguf", "--question", "where is the cat?", *prompt,
-            what="GGUF key `polykv.plan_query_agnostic`", tried="no layers (`run --question`)"),
+            what="GGUF key `polykv.plan_query_agnostic`", tried="no `budget_avg`, no layers (`run --question`)"),
         run(str(work / "missing.gguf"), *prompt, what="model file", tried="does not exist"),
         run(str(truncated), *prompt, what="model file", tried="truncated to a third"),
         run(str(text_as_gguf), *prompt, what="model file", tried="a text file named .gguf"),
