@@ -171,6 +171,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
     path = Path(args.file)
     if args.query_agnostic:
+        if not path.is_file():
+            raise plan_mod.PlanError(f"plan file not found: {path}")
         plan = plan_mod.read_gguf(path, validate=not args.no_validate, key=plan_mod.GGUF_KEY_PLAN_QUERY_AGNOSTIC) \
             if plan_mod._is_gguf(path) else None
         if plan is None:
