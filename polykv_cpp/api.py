@@ -130,7 +130,6 @@ class Model:
         llama.cpp's tools do, else 0. ``LLAMA_ARG_REPACK=0`` and ``LLAMA_ARG_LOAD_MODE=none`` act as in
         llama.cpp's tools (no CPU weight repacking; no mmap)."""
         self.path = check_gguf_file(path)
-        self.gguf_plan_key: str | None = None  # the model file's plan key that resolve_plan() last used
         self._lib = _native.load()
         params = self._lib.llama_model_default_params()
         params.n_gpu_layers = default_gpu_layers() if n_gpu_layers is None else n_gpu_layers
@@ -361,18 +360,24 @@ class Model:
                               "(--prefill-mode exact) or a prefill slack > 1", stacklevel=2)
         self._set_native_plan(plan.to_json(), kv_budget)
 
+    def gguf_plan_key(self, protocol: str = "query-aware") -> str | None:
+        """The metadata key of the plan this model file holds for `protocol` (`polykv_cpp.plan.gguf_plan_key`),
+        None if it holds none."""
+        from polykv_cpp import plan as plan_mod
+
+        return plan_mod.gguf_plan_key({k: self.meta(k) for k in plan_mod.GGUF_PLAN_KEYS.values()}, protocol)
+
     def resolve_plan(self, plan=None, *, use_gguf: bool = False, protocol: str = "query-aware"):
         """The `polykv_cpp.plan.Plan` that `set_plan(plan, use_gguf=...)` would use, validated for this model (None:
         no plan). `protocol` chooses among the model file's plans (`use_gguf`): "query-agnostic" (the prompt is
         compressed before its question exists) takes `polykv.plan_query_agnostic` where the file has one,
-        everything else `polykv.plan`. `gguf_plan_key` is the key it came from (None: not from the file)."""
+        everything else `polykv.plan` (`gguf_plan_key`)."""
         from polykv_cpp import plan as plan_mod
 
-        self.gguf_plan_key = None
         if use_gguf:
             if plan is not None:
                 raise PlanError("give either a plan or use_gguf=True, not both")
-            key = plan_mod.gguf_plan_key({k: self.meta(k) for k in plan_mod.GGUF_PLAN_KEYS.values()}, protocol)
+            key = self.gguf_plan_key(protocol)
             if key is None:
                 raise PlanError(f"{self.path} holds no PolyKV plan (no '{plan_mod.GGUF_KEY_PLAN}' key); "
                                 "make one with `polykv-cpp calibrate` or pass --plan FILE")
@@ -380,7 +385,6 @@ class Model:
                 plan = plan_mod.Plan.from_json(self.meta(key))
             except PlanError as e:
                 raise PlanError(f"{self.path}: {key}: {e}") from None
-            self.gguf_plan_key = key
         elif plan is None:
             return None
         if isinstance(plan, (str, os.PathLike)) and not (isinstance(plan, str) and plan.lstrip().startswith("{")):

@@ -75,7 +75,7 @@ def cmd_run(args) -> int:
         # a question given apart is read after the prompt's compression: the model file's query-agnostic plan, if any
         protocol = "query-agnostic" if (args.question or "").strip() else "query-aware"
         plan = model.resolve_plan(args.plan, use_gguf=args.plan_from_gguf, protocol=protocol)
-        plan_key = model.gguf_plan_key
+        plan_key = model.gguf_plan_key(protocol) if args.plan_from_gguf else None
         if args.protect_tail is not None:
             if plan is None:
                 raise PolyKVError("--protect-tail needs a plan (--plan FILE or --plan-from-gguf)")
