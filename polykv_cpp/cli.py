@@ -21,7 +21,8 @@ from pathlib import Path
 from polykv_cpp import __version__
 from polykv_cpp.errors import PolyKVError
 
-TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench", "ggml-rpc-server")
+TOOLS = ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench", "llama-batched-bench",
+         "ggml-rpc-server")
 # sub-commands that live in their own modules: each has register_cli(subparsers)
 EXTENSIONS = ("polykv_cpp.models", "polykv_cpp.plan", "polykv_cpp.plan_view", "calibration.cli",
               "polykv_cpp.evaluation.cli", "polykv_cpp.evaluation.kvpress_check", "polykv_cpp.llama_cpp_python")

@@ -18,7 +18,8 @@ def test_tools_are_installed_and_run(cli_exe):
     proc = run_cli(cli_exe, "tools")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     paths = dict(line.split("\t") for line in proc.stdout.strip().splitlines())
-    for tool in ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench", "ggml-rpc-server"):
+    for tool in ("llama-completion", "llama-cli", "llama-server", "llama-perplexity", "llama-bench", "llama-batched-bench",
+                 "ggml-rpc-server"):
         assert os.access(paths[tool], os.X_OK), tool
     help_out = subprocess.run([paths["llama-completion"], "--help"], capture_output=True, text=True, errors="replace",
                               timeout=60)

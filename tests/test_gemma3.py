@@ -221,3 +221,32 @@ def test_a_protected_tail_stops_at_a_sliding_window(gemma):
         assert native == expected
         assert [b for il, b in enumerate(native) if il in swa] == [512] * len(swa)
         assert [b for il, b in enumerate(native) if il not in swa] == [496 + 32] * (model.n_layer - len(swa))
+
+
+def test_decode_steps_of_several_sequences_share_ubatches_on_gemma3(gemma, monkeypatch):
+    # sliding-window and global layers, per-head SnapKV: three sequences' decode steps in shared ubatches keep and
+    # compute what they do in ubatches of their own (f32 cache, flash attention off: no f16 rounding in between)
+    from polykv_cpp.plan import uniform_plan
+
+    with Model(gemma) as model:
+        base = model.tokenize(TEXT)
+        prompts = [base[:700], base[40:640], base[90:800]]
+        runs = {}
+        for shared in ("1", "0"):
+            monkeypatch.setenv("LLAMA_POLYKV_SHARED_UBATCH", shared)
+            model.set_plan(uniform_plan(model.n_layer, "snapkv", 96, selection="head"))
+            with model.context(n_ctx=3 * 1024, n_ubatch=256, n_seq_max=3, flash_attn="off",
+                               type_k="f32", type_v="f32") as ctx:
+                for s, p in enumerate(prompts):
+                    ctx.decode_sequences({s: p[:-5]})
+                logits = []
+                for k in range(5):
+                    out = ctx.decode_sequences({s: [p[len(p) - 5 + k]] for s, p in enumerate(prompts)})
+                    logits.append(np.array([ctx.logits(out[s]) for s in range(3)]))
+                kept = [[ctx.kept_positions(il, h, seq=s) for il in range(model.n_layer) for h in (None, 0)]
+                        for s in range(3)]
+                runs[shared] = (logits, kept, ctx.shared_ubatches())
+    assert runs["1"][2] == (5, 15) and runs["0"][2] == (0, 0)
+    assert runs["1"][1] == runs["0"][1]
+    for got, want in zip(runs["1"][0], runs["0"][0]):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)

@@ -50,10 +50,16 @@ llm_graph_input_attn_kv_poly::llm_graph_input_attn_kv_poly(
         const llama_hparams & hparams,
         const llama_cparams & cparams,
         const llama_kv_cache_poly_context * pctx) :
-    llm_graph_input_attn_kv(hparams, cparams, pctx->get_group(0)), pctx(pctx) {
+    llm_graph_input_attn_kv(hparams, cparams, pctx->n_parts() > 0 ? pctx->get_part(0)->get_group(0) : pctx->get_group(0)), pctx(pctx) {
 }
 
 void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
+    if (!parts.empty()) {
+        for (size_t i = 0; i < parts.size(); ++i) {
+            parts[i].inp->set_input(&pctx->get_part(i)->get_ubatch());
+        }
+        return;
+    }
     if (ea_neg_pos && ea_neg_pos->buffer) {
         std::vector<int32_t> neg(ubatch->n_tokens);
         for (uint32_t i = 0; i < ubatch->n_tokens; ++i) {
@@ -105,6 +111,23 @@ void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
 
 bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
     const auto * pnew = dynamic_cast<const llama_kv_cache_poly_context *>(params.mctx);
+    if (!parts.empty()) {
+        // a ubatch of several sequences: the same sequences in the same rows, each part reusable
+        if (!pnew || pnew->n_parts() != parts.size()) {
+            return false;
+        }
+        for (size_t i = 0; i < parts.size(); ++i) {
+            llm_graph_params pp = params;
+            pp.mctx   = pnew->get_part(i);
+            pp.ubatch = pnew->get_part(i)->get_ubatch();
+            if (pp.ubatch.n_tokens != parts[i].n || !parts[i].inp->can_reuse(pp)) {
+                return false;
+            }
+        }
+        pctx = pnew;
+        mctx = pnew->get_part(0)->get_group(0);
+        return true;
+    }
     if (!pnew || pnew->n_groups() != groups.size() || pnew->get_poly()->graph_key(pnew->is_batch()) != key) {
         return false; // another sequence's caches, a replaced group cache, or another score branch
     }
@@ -152,6 +175,18 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const llama_cparams & cparams,
         const llama_kv_cache_poly_context * pctx) {
     auto inp = std::make_unique<llm_graph_input_attn_kv_poly>(hparams, cparams, pctx);
+    if (pctx->n_parts() > 0) {
+        // a ubatch of several sequences: an input of its own for each sequence's rows
+        uint32_t i0 = 0;
+        for (uint32_t i = 0; i < pctx->n_parts(); ++i) {
+            const auto * part = pctx->get_part(i);
+            const uint32_t n = part->get_ubatch().n_tokens;
+            inp->parts.push_back({ llama_polykv_build_input(ctx0, part->get_ubatch(), hparams, cparams, part), i0, n });
+            i0 += n;
+        }
+        GGML_ASSERT(i0 == ubatch.n_tokens);
+        return inp;
+    }
     inp->key = pctx->get_poly()->graph_key(pctx->is_batch());
     inp->outputs.resize(pctx->n_groups());
     // every group cache is one stream: with several sequences each sequence has its own caches and a ubatch holds
@@ -187,6 +222,14 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         }
     }
     return inp;
+}
+
+ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n) {
+    GGML_ASSERT(ggml_n_dims(cur) <= 3 && i0 + n <= cur->ne[2]);
+    if (i0 == 0 && n == cur->ne[2]) {
+        return cur;
+    }
+    return ggml_view_3d(ctx0, cur, cur->ne[0], cur->ne[1], n, cur->nb[1], cur->nb[2], i0*cur->nb[2]);
 }
 
 void llama_polykv_build_scores(

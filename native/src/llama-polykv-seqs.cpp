@@ -6,10 +6,17 @@
 #include "llama-impl.h"
 #include "llama-batch.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 
+static bool shared_ubatches_enabled() {
+    const char * env = getenv("LLAMA_POLYKV_SHARED_UBATCH");
+    return !env || strcmp(env, "0") != 0;
+}
+
 llama_kv_cache_poly_seqs::llama_kv_cache_poly_seqs(std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs, uint32_t n_ctx_total) :
-    seqs(std::move(seqs)), n_ctx_total(n_ctx_total) {
+    seqs(std::move(seqs)), n_ctx_total(n_ctx_total), shared_ubatches(shared_ubatches_enabled()) {
 }
 
 llama_kv_cache_poly * llama_kv_cache_poly_seqs::get_seq(llama_seq_id s) const {
@@ -45,6 +52,35 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
         feed[s] = seqs[s]->get_feed();
     }
 
+    // a batch of decode steps only (one token per sequence, each a decode step of its sequence): the sequences share
+    // ubatches, so the weights are read once per step, not once per sequence (attention still runs per sequence)
+    uint32_t n_seqs_batch = 0;
+    bool shared = shared_ubatches;
+    for (size_t s = 0; s < seqs.size() && shared; ++s) {
+        if (idxs[s].empty()) {
+            continue;
+        }
+        n_seqs_batch += 1;
+        shared = idxs[s].size() == 1 && seqs[s]->shares_ubatch(batch.logits && batch.logits[idxs[s][0]], feed[s]);
+    }
+    if (shared && n_seqs_batch > 1) {
+        std::vector<llama_ubatch> ubatches;
+        std::vector<llama_kv_cache_poly *> ubatch_kv;
+        while (balloc.get_n_used() < balloc.get_n_tokens()) {
+            auto ubatch = balloc.split_simple(std::min<uint32_t>(n_ubatch, LLAMA_POLYKV_MAX_SHARED_SEQS));
+            if (ubatch.n_tokens == 0) {
+                break;
+            }
+            // nullptr: a ubatch of several sequences (llama_kv_cache_poly_context::apply)
+            ubatch_kv.push_back(ubatch.n_tokens == 1 ? get_seq(ubatch.seq_id[0][0]) : nullptr);
+            ubatches.push_back(std::move(ubatch)); // NOLINT
+        }
+        if (ubatches.empty() || balloc.get_n_used() < balloc.get_n_tokens()) {
+            return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+        }
+        return std::make_unique<llama_kv_cache_poly_context>(this, std::move(ubatch_kv), std::move(ubatches));
+    }
+
     std::vector<llama_ubatch> ubatches;
     std::vector<llama_kv_cache_poly *> ubatch_kv;
     while (true) {
@@ -73,7 +109,7 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
         return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
     }
 
-    return std::make_unique<llama_kv_cache_poly_context>(std::move(ubatch_kv), std::move(ubatches));
+    return std::make_unique<llama_kv_cache_poly_context>(this, std::move(ubatch_kv), std::move(ubatches));
 }
 
 llama_memory_context_ptr llama_kv_cache_poly_seqs::init_full() {

@@ -429,6 +429,13 @@ llama_kv_cache_poly::feed_state llama_kv_cache_poly::feed_after(feed_state fs, c
     return fs;
 }
 
+bool llama_kv_cache_poly::shares_ubatch(bool output, const feed_state & fs) const {
+    if (kvzip_active || probe_active) {
+        return false;
+    }
+    return phase_set < 0 ? output && fs.prev_output : phase_set == LLAMA_POLYKV_PHASE_DECODE;
+}
+
 bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
     bool res = true;
     if (p1 < 0 || p1 >= pos_next) {
@@ -1228,8 +1235,10 @@ llama_kv_cache_poly_context::llama_kv_cache_poly_context(llama_kv_cache_poly * k
     status(LLAMA_MEMORY_STATUS_SUCCESS), kv(kv), ubatches(std::move(ubatches)) {
 }
 
-llama_kv_cache_poly_context::llama_kv_cache_poly_context(std::vector<llama_kv_cache_poly *> ubatch_kv, std::vector<llama_ubatch> ubatches) :
-    status(LLAMA_MEMORY_STATUS_SUCCESS), kv(ubatch_kv.front()), ubatches(std::move(ubatches)), ubatch_kv(std::move(ubatch_kv)) {
+llama_kv_cache_poly_context::llama_kv_cache_poly_context(const llama_kv_cache_poly_seqs * seqs, std::vector<llama_kv_cache_poly *> ubatch_kv,
+                                                         std::vector<llama_ubatch> ubatches) :
+    status(LLAMA_MEMORY_STATUS_SUCCESS), ubatches(std::move(ubatches)), ubatch_kv(std::move(ubatch_kv)), seqs(seqs) {
+    kv = this->ubatch_kv.front() ? this->ubatch_kv.front() : seqs->get_seq(this->ubatches.front().seq_id[0][0]);
 }
 
 bool llama_kv_cache_poly_context::next() {
@@ -1238,8 +1247,9 @@ bool llama_kv_cache_poly_context::next() {
         return false;
     }
     if (!ubatch_kv.empty()) {
-        kv = ubatch_kv[i_cur];
+        kv = ubatch_kv[i_cur] ? ubatch_kv[i_cur] : seqs->get_seq(ubatches[i_cur].seq_id[0][0]);
         group_ctxs.clear();
+        parts.clear();
     }
     return true;
 }
@@ -1251,6 +1261,19 @@ bool llama_kv_cache_poly_context::apply() {
     }
     // lazy slotting: the cells freed by the eviction after the previous ubatch are reused now
     const auto & ubatch = ubatches[i_cur];
+    if (!ubatch_kv.empty() && !ubatch_kv[i_cur]) {
+        // several sequences: each sequence's tokens go to its own caches, as if they were a ubatch of their own
+        parts.clear();
+        for (const auto & [i0, n] : llama_polykv_ubatch_seq_runs(ubatch)) {
+            auto * poly = seqs->get_seq(ubatch.seq_id[i0][0]);
+            parts.push_back(std::make_unique<llama_kv_cache_poly_context>(poly,
+                    std::vector<llama_ubatch>{ llama_polykv_ubatch_rows(ubatch, i0, n) }));
+            if (!parts.back()->apply()) {
+                return false;
+            }
+        }
+        return true;
+    }
     try {
         group_ctxs.clear(); // they refer to the groups' caches, which a compression may replace
         kv->before_ubatch(ubatch); // may compress the prompt (exact modes); no exception may leave llama_decode
@@ -1432,21 +1455,113 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
     return new llama_kv_cache_poly_seqs(std::move(seqs), cparams.n_ctx);
 }
 
+llama_ubatch llama_polykv_ubatch_rows(const llama_ubatch & ubatch, uint32_t i0, uint32_t n) {
+    GGML_ASSERT(i0 + n <= ubatch.n_tokens);
+    if (i0 == 0 && n == ubatch.n_tokens) {
+        return ubatch;
+    }
+    auto udata = std::make_shared<llama_ubatch::data_t>();
+    const int64_t n_embd = ubatch.embd && ubatch.data ? (int64_t) ubatch.data->embd.size() / ubatch.n_tokens : 0;
+    GGML_ASSERT(!ubatch.embd || n_embd > 0);
+    udata->token.resize(n);
+    udata->embd.resize(n_embd*n);
+    udata->pos.resize((size_t) n*ubatch.n_pos);
+    udata->n_seq_id.resize(n);
+    udata->seq_id.resize(n);
+    udata->seq_idx.resize(LLAMA_MAX_SEQ, -1);
+    udata->output.resize(n);
+    for (uint32_t i = 0; i < n; ++i) {
+        const uint32_t src = i0 + i;
+        if (ubatch.token) {
+            udata->token[i] = ubatch.token[src];
+        }
+        if (n_embd > 0) {
+            memcpy(udata->embd.data() + i*n_embd, ubatch.embd + src*n_embd, n_embd*sizeof(float));
+        }
+        for (uint32_t j = 0; j < ubatch.n_pos; ++j) {
+            udata->pos[j*n + i] = ubatch.pos[j*ubatch.n_tokens + src];
+        }
+        udata->n_seq_id[i] = ubatch.n_seq_id[src];
+        udata->output[i] = ubatch.output[src];
+        for (int32_t s = 0; s < ubatch.n_seq_id[src]; ++s) {
+            udata->seq_id_data.push_back(ubatch.seq_id[src][s]);
+        }
+    }
+    llama_seq_id * ptr = udata->seq_id_data.data();
+    for (uint32_t i = 0; i < n; ++i) {
+        udata->seq_id[i] = ptr;
+        ptr += udata->n_seq_id[i];
+    }
+    for (const llama_seq_id s : udata->seq_id_data) {
+        if (udata->seq_idx[s] < 0) {
+            udata->seq_idx[s] = (int32_t) udata->seq_id_unq.size();
+            udata->seq_id_unq.push_back(s);
+        }
+    }
+    llama_ubatch res {
+        /*.b_equal_seqs =*/ 0,
+        /*.n_tokens     =*/ n,
+        /*.n_seq_tokens =*/ n,
+        /*.n_seqs       =*/ 1,
+        /*.n_seqs_unq   =*/ (uint32_t) udata->seq_id_unq.size(),
+        /*.n_pos        =*/ ubatch.n_pos,
+        /*.token        =*/ ubatch.token ? udata->token.data() : nullptr,
+        /*.embd         =*/ n_embd > 0 ? udata->embd.data() : nullptr,
+        /*.pos          =*/ udata->pos.data(),
+        /*.n_seq_id     =*/ udata->n_seq_id.data(),
+        /*.seq_id       =*/ udata->seq_id.data(),
+        /*.seq_id_unq   =*/ udata->seq_id_unq.data(),
+        /*.seq_idx      =*/ udata->seq_idx.data(),
+        /*.output       =*/ udata->output.data(),
+        /*.data         =*/ std::move(udata),
+    };
+    return res;
+}
+
+std::vector<std::pair<uint32_t, uint32_t>> llama_polykv_ubatch_seq_runs(const llama_ubatch & ubatch) {
+    std::vector<std::pair<uint32_t, uint32_t>> runs;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        if (runs.empty() || ubatch.seq_id[i][0] != ubatch.seq_id[runs.back().first][0]) {
+            runs.emplace_back(i, 0);
+        }
+        runs.back().second += 1;
+    }
+    return runs;
+}
+
 bool llama_polykv_after_ubatch(llama_context * lctx, llama_memory_i * mem, const llama_ubatch & ubatch) {
-    auto * poly = dynamic_cast<llama_kv_cache_poly *>(mem);
-    if (auto * seqs = dynamic_cast<llama_kv_cache_poly_seqs *>(mem)) {
-        poly = ubatch.n_tokens > 0 ? seqs->get_seq(ubatch.seq_id[0][0]) : nullptr;
+    std::vector<std::pair<llama_kv_cache_poly *, llama_ubatch>> parts;
+    if (auto * poly = dynamic_cast<llama_kv_cache_poly *>(mem)) {
+        parts.emplace_back(poly, ubatch);
+    } else if (auto * seqs = dynamic_cast<llama_kv_cache_poly_seqs *>(mem)) {
+        // a ubatch of several sequences: each sequence evicts after its own tokens
+        for (const auto & [i0, n] : llama_polykv_ubatch_seq_runs(ubatch)) {
+            parts.emplace_back(seqs->get_seq(ubatch.seq_id[i0][0]), llama_polykv_ubatch_rows(ubatch, i0, n));
+        }
+        if (parts.size() > 1) {
+            seqs->count_shared(ubatch.n_tokens);
+        }
     }
-    if (!poly) {
-        return true;
-    }
-    try {
-        poly->after_ubatch(lctx, ubatch);
-    } catch (const std::exception & e) { // no exception may leave llama_decode (a C function)
-        LLAMA_LOG_ERROR("%s: PolyKV: evicting after a ubatch failed: %s\n", __func__, e.what());
-        return false;
+    for (auto & [poly, part] : parts) {
+        try {
+            poly->after_ubatch(lctx, part);
+        } catch (const std::exception & e) { // no exception may leave llama_decode (a C function)
+            LLAMA_LOG_ERROR("%s: PolyKV: evicting after a ubatch failed: %s\n", __func__, e.what());
+            return false;
+        }
     }
     return true;
+}
+
+uint32_t llama_polykv_graph_extra_nodes(const llama_memory_i * mem, uint32_t n_layer) {
+    const auto * seqs = dynamic_cast<const llama_kv_cache_poly_seqs *>(mem);
+    if (!seqs) {
+        return 0;
+    }
+    // per sequence beyond the first and layer: row views, cache writes and views, attention, the score branch and
+    // the concatenation (about 40 nodes with every score output on; a margin on top)
+    const uint32_t n_shared = std::min<uint32_t>(seqs->n_seq(), LLAMA_POLYKV_MAX_SHARED_SEQS);
+    return (n_shared - 1) * n_layer * 96;
 }
 
 //
@@ -1630,6 +1745,21 @@ int32_t llama_polykv_get_decode_timing(const struct llama_context * ctx, double 
     }
     if (n_steps) {
         *n_steps = n;
+    }
+    return 0;
+}
+
+int32_t llama_polykv_get_shared_ubatches(const struct llama_context * ctx, int64_t * n_ubatches, int64_t * n_tokens) {
+    if (get_polys(ctx).empty()) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    const auto * seqs = dynamic_cast<const llama_kv_cache_poly_seqs *>(llama_get_memory(ctx));
+    if (n_ubatches) {
+        *n_ubatches = seqs ? seqs->shared_ubatches_done() : 0;
+    }
+    if (n_tokens) {
+        *n_tokens = seqs ? seqs->shared_tokens_done() : 0;
     }
     return 0;
 }

@@ -216,6 +216,9 @@ public:
         return chunks_aligned() ? n_ubatch - std::min(fs.n_open, n_ubatch - 1) : n_ubatch;
     }
     feed_state feed_after(feed_state fs, const llama_ubatch & ubatch) const;
+    // a token of this sequence may share its ubatch with other sequences' tokens (llama_kv_cache_poly_seqs): it is a
+    // decode step (output asks for logits) and no reconstruction pass or probe is running
+    bool shares_ubatch(bool output, const feed_state & fs) const;
 
     // after a ubatch was computed: read the score outputs and evict every group down to its budget
     void after_ubatch(llama_context * lctx, const llama_ubatch & ubatch);
@@ -409,13 +412,18 @@ public:
     bool make_room(group & grp, uint32_t n_tokens);
 };
 
+class llama_kv_cache_poly_seqs;
+
 class llama_kv_cache_poly_context : public llama_memory_context_i {
 public:
     llama_kv_cache_poly_context(llama_memory_status status);
     llama_kv_cache_poly_context(llama_kv_cache_poly * kv);                                          // full
     llama_kv_cache_poly_context(llama_kv_cache_poly * kv, std::vector<llama_ubatch> ubatches);      // batch
-    // several sequences: ubatch i goes to the cache of its sequence, ubatch_kv[i]
-    llama_kv_cache_poly_context(std::vector<llama_kv_cache_poly *> ubatch_kv, std::vector<llama_ubatch> ubatches);
+    // several sequences: ubatch i goes to the cache of its sequence, ubatch_kv[i]; where that is nullptr, the ubatch
+    // holds decode steps of several sequences and apply() gives each sequence's tokens to a context of their own
+    // (the parts)
+    llama_kv_cache_poly_context(const llama_kv_cache_poly_seqs * seqs, std::vector<llama_kv_cache_poly *> ubatch_kv,
+                                std::vector<llama_ubatch> ubatches);
 
     bool next()  override;
     bool apply() override;
@@ -430,6 +438,10 @@ public:
     // true while building the graph of a real ubatch (not a worst-case reservation)
     bool is_batch() const { return !ubatches.empty(); }
 
+    // a ubatch of several sequences: one context per sequence, in the order of its tokens in the ubatch
+    uint32_t n_parts() const { return parts.size(); }
+    const llama_kv_cache_poly_context * get_part(uint32_t i) const { return parts[i].get(); }
+
 private:
     llama_memory_status status;
 
@@ -438,18 +450,32 @@ private:
     size_t i_cur = 0;
     std::vector<llama_ubatch> ubatches;
     std::vector<llama_kv_cache_poly *> ubatch_kv; // empty: every ubatch goes to kv
+    const llama_kv_cache_poly_seqs * seqs = nullptr;
 
     std::vector<llama_memory_context_ptr> group_ctxs;
+    std::vector<std::unique_ptr<llama_kv_cache_poly_context>> parts;
 };
+
+// rows [i0, i0 + n) of a ubatch as a ubatch of its own (the tokens of one sequence in a ubatch of several)
+llama_ubatch llama_polykv_ubatch_rows(const llama_ubatch & ubatch, uint32_t i0, uint32_t n);
+// the parts of a ubatch: runs of consecutive tokens of one sequence, as (first row, rows)
+std::vector<std::pair<uint32_t, uint32_t>> llama_polykv_ubatch_seq_runs(const llama_ubatch & ubatch);
+
+// at most this many sequences' decode steps share a ubatch (the graph builds attention once per sequence; see
+// llama_polykv_graph_extra_nodes)
+#define LLAMA_POLYKV_MAX_SHARED_SEQS 16
 
 //
 // llama_kv_cache_poly_seqs: several sequences with a plan
 //
 
 // One llama_kv_cache_poly per sequence, each with the plan's budgets in every layer: one sequence's tokens never
-// evict another's, and every sequence is compressed exactly as it would be alone. A ubatch holds the tokens of one
-// sequence (llama_batch_allocr::split_seq), so sequences decoded together take one ubatch each; a token that
-// belongs to several sequences at once is refused (decode it per sequence, or copy with llama_memory_seq_cp).
+// evict another's, and every sequence is compressed exactly as it would be alone. A prompt's ubatch holds the tokens
+// of one sequence (llama_batch_allocr::split_seq); a batch of decode steps only (one token per sequence, as
+// llama-server's slots generate) shares ubatches of up to LLAMA_POLYKV_MAX_SHARED_SEQS sequences: the weights are
+// read once and attention runs per sequence on its own caches (LLAMA_POLYKV_SHARED_UBATCH=0 turns this off). A
+// token that belongs to several sequences at once is refused (decode it per sequence, or copy with
+// llama_memory_seq_cp).
 class llama_kv_cache_poly_seqs : public llama_memory_i {
 public:
     llama_kv_cache_poly_seqs(std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs, uint32_t n_ctx_total);
@@ -482,9 +508,17 @@ public:
     // cells a stock cache of this context would hold (unified: n_ctx; one stream per sequence: n_seq x n_ctx_seq)
     uint32_t get_n_ctx_total() const { return n_ctx_total; }
 
+    // ubatches that held decode steps of several sequences, and the tokens in them (llama_polykv_get_shared_ubatches)
+    void count_shared(uint32_t n_tokens) { n_shared_ubatches += 1; n_shared_tokens += n_tokens; }
+    int64_t shared_ubatches_done() const { return n_shared_ubatches; }
+    int64_t shared_tokens_done() const { return n_shared_tokens; }
+
 private:
     std::vector<std::unique_ptr<llama_kv_cache_poly>> seqs;
     const uint32_t n_ctx_total;
+    const bool shared_ubatches; // LLAMA_POLYKV_SHARED_UBATCH (default on)
+    int64_t n_shared_ubatches = 0;
+    int64_t n_shared_tokens   = 0;
 };
 
 // in-memory llama_io: moving cells through the stock cache's own state format (compaction, resize, seq_cp)
@@ -537,6 +571,15 @@ public:
     uint32_t n_head = 0;
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;
+
+    // a ubatch of several sequences: no groups, one input per sequence for rows [i0, i0 + n) of the ubatch;
+    // build_attn builds each one's attention on its own caches and concatenates the rows
+    struct part {
+        std::unique_ptr<llm_graph_input_attn_kv_poly> inp;
+        uint32_t i0 = 0;
+        uint32_t n  = 0;
+    };
+    std::vector<part> parts;
 
     // the cache's graph_key when the graph was built, and the score outputs it built for each group: set_input
     // hands them to the groups again when the graph is reused (the groups forget them once read)
@@ -592,6 +635,13 @@ void llama_polykv_build_scores(
          ggml_tensor * kq_mask,
                float   kq_scale,
              int32_t   il);
+
+// llm_graph_context::build_attn with a ubatch of several sequences: rows [i0, i0 + n) of q, k or v ([d, heads, n_tokens])
+ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n);
+
+// llama_context::graph_max_nodes: the nodes a graph may need beyond the stock count (attention once per sequence of
+// a shared ubatch)
+uint32_t llama_polykv_graph_extra_nodes(const llama_memory_i * mem, uint32_t n_layer);
 
 // llama_model_free: forget the plan settings of a model (its address may be reused by the next model)
 void llama_polykv_forget_model(const llama_model * model);
