@@ -73,7 +73,7 @@ def run_once(config: str, args, n_ctx: int) -> tuple[list[dict], float | None]:
         env["LLAMA_POLYKV_SHARED_UBATCH"] = "1" if config == "plan-shared" else "0"
     cmd = [str(tool_path()), "-m", args.model, "-c", str(n_ctx), "-b", str(args.batch), "-ub", str(args.ubatch),
            "-npp", str(args.pp), "-ntg", str(args.tg), "-npl", args.npl, "-t", str(args.threads),
-           "-fa", args.flash_attn, "--output-format", "jsonl"]
+           "-fa", args.flash_attn, "--output-format", "jsonl", "-lv", "4"]  # -lv 4: the info lines with the KV size
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, errors="replace", timeout=args.timeout)
     if proc.returncode != 0:
         sys.exit(f"bench_seqs: {config} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -124,6 +124,7 @@ def plot(report: dict, path: Path) -> None:
         ax.plot([r["pl"] for r in rows], [r["speed_tg"] for r in rows], marker="o",
                 label=f"{c} ({report['configs'][c]['kv_mib']:.0f} MiB KV)")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(report["npl"], [str(n) for n in report["npl"]])
     ax.set_xlabel("sequences decoded together")
     ax.set_ylabel("decode tok/s, all sequences")
     ax.set_title(f"llama-batched-bench, {report['pp']}-token prompts, budget {report['kv_budget']}")
