@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -33,14 +32,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from server_load import bin_dir, kv_mib_from_log  # scripts/, next to this one
+
 CONFIGS = ("fullkv", "plan-shared", "plan-separate")
 FIELDS = ("t_pp", "speed_pp", "t_tg", "speed_tg", "t", "speed")
 
 
 def tool_path() -> Path:
-    import polykv_cpp  # noqa: PLC0415 (the installed package holds the tools)
-
-    path = Path(polykv_cpp.__file__).resolve().parent / "bin" / "llama-batched-bench"
+    path = bin_dir() / "llama-batched-bench"
     if not path.exists():
         sys.exit(f"bench_seqs: {path} is missing: reinstall polykv-cpp (`pip install .`)")
     return path
@@ -50,14 +49,6 @@ def default_model() -> str:
     from polykv_cpp import models  # noqa: PLC0415
 
     return str(models.fetch(models.DEFAULT_MODEL, progress=False))
-
-
-def kv_mib(log: str) -> float | None:
-    m = re.search(r"PolyKV plan active .*?KV ([\d.]+) MiB", log)
-    if m:
-        return float(m.group(1))
-    sizes = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", log)
-    return sum(float(s) for s in sizes) if sizes else None
 
 
 def run_once(config: str, args, n_ctx: int) -> tuple[list[dict], float | None]:
@@ -80,7 +71,7 @@ def run_once(config: str, args, n_ctx: int) -> tuple[list[dict], float | None]:
     if config != "fullkv" and "PolyKV plan active" not in proc.stderr:
         sys.exit(f"bench_seqs: {config}: the plan did not load:\n{proc.stderr[-3000:]}")
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return rows, kv_mib(proc.stderr)
+    return rows, kv_mib_from_log(proc.stderr)
 
 
 def median_rows(runs: list[list[dict]]) -> list[dict]:

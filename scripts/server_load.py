@@ -47,6 +47,15 @@ def bin_dir() -> Path:
     return Path(polykv_cpp.__file__).resolve().parent / "bin"
 
 
+def kv_mib_from_log(text: str) -> float | None:
+    """The KV memory a llama.cpp tool allocated, from its log: our plan line, else the stock cache's size lines."""
+    m = re.search(r"PolyKV plan active .*?KV ([\d.]+) MiB", text)
+    if m:
+        return float(m.group(1))
+    sizes = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", text)
+    return sum(float(s) for s in sizes) if sizes else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,13 +107,7 @@ class Server:
         return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
 
     def kv_mib(self) -> float | None:
-        """The KV memory the server allocated, from its log: our plan line, else the stock cache's size line."""
-        text = self.log_text()
-        m = re.search(r"PolyKV plan active .*?KV ([\d.]+) MiB", text)
-        if m:
-            return float(m.group(1))
-        sizes = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", text)
-        return sum(float(s) for s in sizes) if sizes else None
+        return kv_mib_from_log(self.log_text())
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -430,10 +430,7 @@ llama_kv_cache_poly::feed_state llama_kv_cache_poly::feed_after(feed_state fs, c
 }
 
 bool llama_kv_cache_poly::shares_ubatch(bool output, const feed_state & fs) const {
-    if (kvzip_active || probe_active) {
-        return false;
-    }
-    return phase_set < 0 ? output && fs.prev_output : phase_set == LLAMA_POLYKV_PHASE_DECODE;
+    return !kvzip_active && !probe_active && is_decode_token(output, fs);
 }
 
 bool llama_kv_cache_poly::seq_rm(llama_seq_id seq_id, llama_pos p0, llama_pos p1) {
@@ -1238,7 +1235,12 @@ llama_kv_cache_poly_context::llama_kv_cache_poly_context(llama_kv_cache_poly * k
 llama_kv_cache_poly_context::llama_kv_cache_poly_context(const llama_kv_cache_poly_seqs * seqs, std::vector<llama_kv_cache_poly *> ubatch_kv,
                                                          std::vector<llama_ubatch> ubatches) :
     status(LLAMA_MEMORY_STATUS_SUCCESS), ubatches(std::move(ubatches)), ubatch_kv(std::move(ubatch_kv)), seqs(seqs) {
-    kv = this->ubatch_kv.front() ? this->ubatch_kv.front() : seqs->get_seq(this->ubatches.front().seq_id[0][0]);
+    kv = ubatch_cache(0);
+}
+
+llama_kv_cache_poly * llama_kv_cache_poly_context::ubatch_cache(size_t i) const {
+    // a ubatch of several sequences (nullptr): the cache of its first token's sequence
+    return ubatch_kv[i] ? ubatch_kv[i] : seqs->get_seq(ubatches[i].seq_id[0][0]);
 }
 
 bool llama_kv_cache_poly_context::next() {
@@ -1247,7 +1249,7 @@ bool llama_kv_cache_poly_context::next() {
         return false;
     }
     if (!ubatch_kv.empty()) {
-        kv = ubatch_kv[i_cur] ? ubatch_kv[i_cur] : seqs->get_seq(ubatches[i_cur].seq_id[0][0]);
+        kv = ubatch_cache(i_cur);
         group_ctxs.clear();
         parts.clear();
     }

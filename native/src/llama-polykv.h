@@ -325,7 +325,11 @@ private:
     // a ubatch of one token with logits is a decode step if the sequence's last ubatch asked for logits too (a
     // token was sampled from them); after prompt tokens without logits it is the prompt's last token
     bool is_decode(const llama_ubatch & ubatch, const feed_state & fs) const {
-        return phase_set < 0 ? ubatch.n_tokens == 1 && ubatch.output[0] && fs.prev_output : phase_set == LLAMA_POLYKV_PHASE_DECODE;
+        return (phase_set >= 0 || ubatch.n_tokens == 1) && is_decode_token(ubatch.output[0] != 0, fs);
+    }
+    // the same for a ubatch of one token whose logits are asked for (output) or not
+    bool is_decode_token(bool output, const feed_state & fs) const {
+        return phase_set < 0 ? output && fs.prev_output : phase_set == LLAMA_POLYKV_PHASE_DECODE;
     }
     bool is_decode(const llama_ubatch & ubatch) const { return is_decode(ubatch, feed); }
 
@@ -451,6 +455,7 @@ private:
     std::vector<llama_ubatch> ubatches;
     std::vector<llama_kv_cache_poly *> ubatch_kv; // empty: every ubatch goes to kv
     const llama_kv_cache_poly_seqs * seqs = nullptr;
+    llama_kv_cache_poly * ubatch_cache(size_t i) const;
 
     std::vector<llama_memory_context_ptr> group_ctxs;
     std::vector<std::unique_ptr<llama_kv_cache_poly_context>> parts;
