@@ -260,6 +260,7 @@ int32_t llama_polykv_set_phase(struct llama_context * ctx, int32_t phase);
 int32_t llama_polykv_get_decode_timing(const struct llama_context * ctx, double * select_ms, int64_t * n_steps);
 int32_t llama_polykv_layer_cell_pad(const struct llama_context * ctx, int32_t il);
 int32_t llama_polykv_get_shared_ubatches(const struct llama_context * ctx, int64_t * n_ubatches, int64_t * n_tokens);
+int32_t llama_polykv_get_device_repacks(const struct llama_context * ctx, int64_t * n_repacks);
 int64_t llama_polykv_probe_prompt(struct llama_context * ctx, const llama_token * tokens, int32_t n_tokens);
 int32_t llama_polykv_score_prompt_kvzip(struct llama_context * ctx, const llama_token * prefix, int32_t n_prefix,
                                         const llama_token * tokens, int32_t n_tokens, int32_t n_chunk);

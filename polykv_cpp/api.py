@@ -795,6 +795,15 @@ class Context:
             return 0, 0
         return int(n[0]), int(n[1])
 
+    def device_repacks(self) -> int:
+        """Evictions of per-head layers whose cache moves ran as one graph on the caches' own device (a GPU, an RPC
+        server: one round trip instead of two per moved token, layer and tensor) since the context was created; 0
+        on host memory unless ``LLAMA_POLYKV_DEVICE_REPACK=1``, or without a plan."""
+        n = ffi.new("int64_t *")
+        if self._lib.llama_polykv_get_device_repacks(self.ptr, n) != 0:
+            return 0
+        return int(n[0])
+
     def set_prompt_probing(self, on: bool) -> bool:
         """FINCH probing (chunked prefill with a plan): while on, each prompt ubatch keeps its tokens until
         `probe_prompt` scores them (or, without a probe, until the next prompt ubatch evicts by the chunk's own last

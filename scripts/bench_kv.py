@@ -142,6 +142,10 @@ def run_config(spec: dict) -> dict:
 
     s = spec["settings"]
     res: dict = {"name": spec["name"], "kind": spec["kind"], "loadavg_start": _loadavg()}
+    if s.get("rpc"):
+        from polykv_cpp import _native
+
+        res["rpc_devices"] = _native.add_rpc_servers(s["rpc"])
     t0 = time.perf_counter()
     with Model(s["model"], n_gpu_layers=s["n_gpu_layers"]) as model:
         res["load_s"] = time.perf_counter() - t0
@@ -268,6 +272,7 @@ def run_config(spec: dict) -> dict:
                 _emit("step", what=f"prefill {plen}")
             res["prefill_len"] = plen
             res["prefill_s_at_len"] = t
+            res["device_repacks"] = ctx.device_repacks()
             res["prefill_tok_s_at_len"] = plen / t
             ctx.clear()
     res["peak_rss_bytes"] = _proc_status("VmHWM")
@@ -576,6 +581,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache-type-k", "-ctk", default="f16")
     p.add_argument("--cache-type-v", "-ctv", default="f16")
     p.add_argument("--n-gpu-layers", "-ngl", type=int, default=0)
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="llama.cpp RPC servers to put the offloaded layers on (with -ngl 99), as `run --rpc`")
     p.add_argument("--prompt-probe", type=int, default=0, metavar="N",
                    help="prefill with the prompt's last N tokens as a probe (run's default is 32; 0: none)")
     p.add_argument("--out", default="results/bench.json", help="JSON output (default results/bench.json)")
@@ -616,6 +623,7 @@ def resolve_settings(args) -> dict:
         "n_ubatch": args.ubatch or q.get("n_ubatch") or 512, "threads": args.threads or os.cpu_count() or 1,
         "flash_attn": args.flash_attn, "type_k": args.cache_type_k, "type_v": args.cache_type_v,
         "n_gpu_layers": args.n_gpu_layers, "kv_budget": args.kv_budget, "prompt_probe": args.prompt_probe,
+        "rpc": args.rpc,
     }
 
 

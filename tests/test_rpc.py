@@ -45,7 +45,8 @@ CHILD = textwrap.dedent("""
             heads = [0, 1] if per_head == "head" else [None]
             kept = {f"{il}/{h}": ctx.kept_positions(il, h) for il in range(2) for h in heads}
             stats = [(s.capacity, s.used, s.n_evicted) for s in ctx.kv_layer_stats()]
-    print(json.dumps({"tokens": out, "kept": kept, "stats": stats}))
+            repacks = ctx.device_repacks()
+    print(json.dumps({"tokens": out, "kept": kept, "stats": stats, "device_repacks": repacks}))
 """)
 
 
@@ -104,6 +105,10 @@ def test_a_plan_runs_on_an_rpc_server_as_locally(path, server, tmp_path, selecti
     # the same cells held and evicted; the capacity follows the device's padding (256 cells for a non-CPU device)
     assert [s[1:] for s in remote["stats"]] == [s[1:] for s in local["stats"]]
     assert all(s[0] % 256 == 0 and s[0] < BUDGET + 32 + 256 for s in remote["stats"])
+    # per-head layers move their kept rows after evictions: on the server, as one graph per eviction (not one
+    # round trip per moved row); in host memory, by plain copies
+    assert local["device_repacks"] == 0
+    assert (remote["device_repacks"] > 0) == (selection == "head")
 
 
 def test_cli_run_with_rpc(path, server, tmp_path, cli_exe):

@@ -3,10 +3,12 @@
 
 #include "llama-polykv.h"
 
+#include "llama-impl.h"
 #include "llama-io.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -912,6 +914,110 @@ void llama_kv_cache_poly::score_expected_attention(group & grp) {
     }
 }
 
+static int device_repack_mode() {
+    const char * env = getenv("LLAMA_POLYKV_DEVICE_REPACK");
+    if (!env || !*env) {
+        return -1; // auto: caches that are not in host memory
+    }
+    return atoi(env) != 0 ? 1 : 0;
+}
+
+bool llama_kv_cache_poly::repack_on_device(const group & grp, const std::vector<repack_move> & moves) {
+    const int mode = device_repack_mode(); // read each time: a test switches it within one process
+    if (mode == 0 || v_trans) {
+        return false; // a transposed V holds a head's values in d separate runs, not one row
+    }
+    struct copy { ggml_tensor * t; int64_t d; };
+    std::vector<copy> copies;
+    bool all_host = true;
+    for (int32_t il : grp.layers) {
+        ggml_tensor * k = grp.kv->get_k_storage(il);
+        ggml_tensor * v = v_storage(*grp.kv, il);
+        for (ggml_tensor * t : { k, v }) {
+            const int64_t d = t == v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+            // F32/F16/BF16 go through get_rows' F32 rows and back unchanged; a quantized type would be requantized
+            if (!t->buffer || ggml_is_quantized(t->type) || t->ne[0] != d * grp.n_head_kv || t->ne[2] != 1 ||
+                !ggml_is_contiguous(t)) {
+                return false;
+            }
+            all_host &= ggml_backend_buffer_is_host(t->buffer);
+            copies.push_back({ t, d });
+        }
+    }
+    if (all_host && mode != 1) {
+        return false; // host memory: plain copies cost less than a graph
+    }
+
+    const int64_t n = (int64_t) moves.size();
+    const int64_t n_rows = (int64_t) grp.n_head_kv * grp.capacity; // a cell row holds its heads side by side
+    std::vector<int32_t> src(n);
+    std::vector<int64_t> dst(n);
+    for (int64_t i = 0; i < n; ++i) {
+        src[i] = (int32_t) (moves[i].src * grp.n_head_kv + moves[i].h);
+        dst[i] = (int64_t) moves[i].dst * grp.n_head_kv + moves[i].h;
+    }
+
+    // a backend of its device and an allocator for each buffer type holding these caches (layers offloaded to
+    // different devices), made once
+    for (const auto & c : copies) {
+        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(c.t->buffer);
+        bool known = false;
+        for (const auto & r : repackers) {
+            known |= r.buft == buft;
+        }
+        if (known) {
+            continue;
+        }
+        ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+        if (!dev && ggml_backend_buft_is_host(buft)) {
+            dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU); // the plain CPU buffer type names none
+        }
+        ggml_backend_t backend = dev ? ggml_backend_dev_init(dev, nullptr) : nullptr;
+        if (!backend) {
+            return false;
+        }
+        repackers.push_back({ buft, ggml_backend_ptr(backend), ggml_gallocr_ptr(ggml_gallocr_new(buft)) });
+    }
+
+    for (auto & rp : repackers) {
+        const size_t n_nodes = 2 * copies.size() + 8;
+        ggml_init_params ip = { (2 + 3 * copies.size()) * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_nodes, false),
+                                nullptr, /*no_alloc*/ true };
+        ggml_context_ptr ctx(ggml_init(ip));
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx.get(), n_nodes, false);
+        ggml_tensor * t_src = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, n);
+        ggml_tensor * t_dst = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I64, n);
+        ggml_set_input(t_src);
+        ggml_set_input(t_dst);
+        for (const auto & c : copies) {
+            if (ggml_backend_buffer_get_type(c.t->buffer) != rp.buft) {
+                continue;
+            }
+            ggml_tensor * rows = ggml_view_2d(ctx.get(), c.t, c.d, n_rows, ggml_row_size(c.t->type, c.d), 0);
+            ggml_tensor * moved = ggml_get_rows(ctx.get(), rows, t_src); // every source row is read before any write
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx.get(), rows, moved, t_dst));
+        }
+        if (ggml_graph_n_nodes(gf) == 0) {
+            continue; // a buffer type of another group's layers
+        }
+        bool ok = ggml_gallocr_alloc_graph(rp.galloc.get(), gf);
+        if (ok) {
+            ggml_backend_tensor_set(t_src, src.data(), 0, ggml_nbytes(t_src));
+            ggml_backend_tensor_set(t_dst, dst.data(), 0, ggml_nbytes(t_dst));
+            ok = ggml_backend_graph_compute(rp.backend.get(), gf) == GGML_STATUS_SUCCESS;
+        }
+        if (!ok) {
+            // the host copies all of it: a move copies a source row that no move overwrites, so redoing the
+            // layers another graph already moved gives the same cache
+            LLAMA_LOG_WARN("%s: PolyKV: moving the kept rows on %s failed; copying them on the host\n", __func__,
+                           ggml_backend_buft_name(rp.buft));
+            return false;
+        }
+    }
+    n_device_repacks += 1;
+    return true;
+}
+
 void llama_kv_cache_poly::repack(group & grp) {
     const uint32_t cap = grp.capacity;
     const uint32_t nh  = grp.n_head_kv;
@@ -926,8 +1032,7 @@ void llama_kv_cache_poly::repack(group & grp) {
     }
 
     // each head fills its holes below n_rows with its tokens from above n_rows
-    struct move { uint32_t h, src, dst; };
-    std::vector<move> moves;
+    std::vector<repack_move> moves;
     uint32_t hi = 0;
     for (uint32_t h = 0; h < nh; ++h) {
         uint32_t dst = 0;
@@ -946,68 +1051,70 @@ void llama_kv_cache_poly::repack(group & grp) {
     }
 
     if (!moves.empty()) {
-        for (int32_t il : grp.layers) {
-            // K (and V without v_trans): one row per cell, head h at h*head_bytes within it
-            ggml_tensor * k = grp.kv->get_k_storage(il);
-            ggml_tensor * v = v_storage(*grp.kv, il);
-            for (ggml_tensor * t : { k, v }) {
-                const bool is_v = t == v;
-                const uint32_t d = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
-                if (moves.size() <= 16) {
-                    // a few moves (a decode step moves one token per head): copy just those values
-                    const bool trans = is_v && v_trans;
-                    const size_t es = ggml_type_size(t->type);
-                    const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
-                    const size_t head_bytes = ggml_row_size(t->type, d);
-                    std::vector<uint8_t> tmp(trans ? es : head_bytes);
-                    for (const auto & m : moves) {
-                        if (!trans) {
-                            ggml_backend_tensor_get(t, tmp.data(), m.src*row_bytes + m.h*head_bytes, head_bytes);
-                            ggml_backend_tensor_set(t, tmp.data(), m.dst*row_bytes + m.h*head_bytes, head_bytes);
-                            continue;
-                        }
-                        for (uint32_t i = 0; i < d; ++i) {
-                            const size_t j = (size_t) m.h*d + i; // feature j of cell c at c + cap*j
-                            ggml_backend_tensor_get(t, tmp.data(), (j*cap + m.src)*es, es);
-                            ggml_backend_tensor_set(t, tmp.data(), (j*cap + m.dst)*es, es);
-                        }
-                    }
-                    continue;
-                }
-                if (is_v && v_trans) {
-                    // V transposed: element (cell c, feature j) at c + cap*j; the block of head h is contiguous
-                    const size_t es = ggml_type_size(t->type);
-                    std::vector<uint8_t> blk((size_t) d * cap * es);
-                    for (uint32_t h = 0; h < nh; ++h) {
-                        bool any = false;
+        if (!repack_on_device(grp, moves)) {
+            for (int32_t il : grp.layers) {
+                // K (and V without v_trans): one row per cell, head h at h*head_bytes within it
+                ggml_tensor * k = grp.kv->get_k_storage(il);
+                ggml_tensor * v = v_storage(*grp.kv, il);
+                for (ggml_tensor * t : { k, v }) {
+                    const bool is_v = t == v;
+                    const uint32_t d = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+                    if (moves.size() <= 16) {
+                        // a few moves (a decode step moves one token per head): copy just those values
+                        const bool trans = is_v && v_trans;
+                        const size_t es = ggml_type_size(t->type);
+                        const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
+                        const size_t head_bytes = ggml_row_size(t->type, d);
+                        std::vector<uint8_t> tmp(trans ? es : head_bytes);
                         for (const auto & m : moves) {
-                            any |= m.h == h;
-                        }
-                        if (!any) {
-                            continue;
-                        }
-                        const size_t off = (size_t) h * d * cap * es;
-                        ggml_backend_tensor_get(t, blk.data(), off, blk.size());
-                        for (const auto & m : moves) {
-                            if (m.h != h) {
+                            if (!trans) {
+                                ggml_backend_tensor_get(t, tmp.data(), m.src*row_bytes + m.h*head_bytes, head_bytes);
+                                ggml_backend_tensor_set(t, tmp.data(), m.dst*row_bytes + m.h*head_bytes, head_bytes);
                                 continue;
                             }
                             for (uint32_t i = 0; i < d; ++i) {
-                                memcpy(&blk[((size_t) i*cap + m.dst)*es], &blk[((size_t) i*cap + m.src)*es], es);
+                                const size_t j = (size_t) m.h*d + i; // feature j of cell c at c + cap*j
+                                ggml_backend_tensor_get(t, tmp.data(), (j*cap + m.src)*es, es);
+                                ggml_backend_tensor_set(t, tmp.data(), (j*cap + m.dst)*es, es);
                             }
                         }
-                        ggml_backend_tensor_set(t, blk.data(), off, blk.size());
+                        continue;
                     }
-                    continue;
+                    if (is_v && v_trans) {
+                        // V transposed: element (cell c, feature j) at c + cap*j; the block of head h is contiguous
+                        const size_t es = ggml_type_size(t->type);
+                        std::vector<uint8_t> blk((size_t) d * cap * es);
+                        for (uint32_t h = 0; h < nh; ++h) {
+                            bool any = false;
+                            for (const auto & m : moves) {
+                                any |= m.h == h;
+                            }
+                            if (!any) {
+                                continue;
+                            }
+                            const size_t off = (size_t) h * d * cap * es;
+                            ggml_backend_tensor_get(t, blk.data(), off, blk.size());
+                            for (const auto & m : moves) {
+                                if (m.h != h) {
+                                    continue;
+                                }
+                                for (uint32_t i = 0; i < d; ++i) {
+                                    memcpy(&blk[((size_t) i*cap + m.dst)*es], &blk[((size_t) i*cap + m.src)*es], es);
+                                }
+                            }
+                            ggml_backend_tensor_set(t, blk.data(), off, blk.size());
+                        }
+                        continue;
+                    }
+                    const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
+                    const size_t head_bytes = ggml_row_size(t->type, d);
+                    std::vector<uint8_t> buf((size_t) hi * row_bytes);
+                    ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
+                    for (const auto & m : moves) {
+                        memcpy(&buf[m.dst*row_bytes + m.h*head_bytes], &buf[m.src*row_bytes + m.h*head_bytes], head_bytes);
+                    }
+                    ggml_backend_tensor_set(t, buf.data(), 0, (size_t) n_rows * row_bytes);
                 }
-                const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
-                const size_t head_bytes = ggml_row_size(t->type, d);
-                std::vector<uint8_t> buf((size_t) hi * row_bytes);
-                ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
-                for (const auto & m : moves) {
-                    memcpy(&buf[m.dst*row_bytes + m.h*head_bytes], &buf[m.src*row_bytes + m.h*head_bytes], head_bytes);
-                }
-                ggml_backend_tensor_set(t, buf.data(), 0, (size_t) n_rows * row_bytes);
             }
         }
         for (const auto & m : moves) {

@@ -1766,6 +1766,22 @@ int32_t llama_polykv_get_shared_ubatches(const struct llama_context * ctx, int64
     return 0;
 }
 
+int32_t llama_polykv_get_device_repacks(const struct llama_context * ctx, int64_t * n_repacks) {
+    const auto polys = get_polys(ctx);
+    if (polys.empty()) {
+        set_last_error("no PolyKV plan is active in this context");
+        return -1;
+    }
+    int64_t n = 0;
+    for (const auto * p : polys) {
+        n += p->device_repacks();
+    }
+    if (n_repacks) {
+        *n_repacks = n;
+    }
+    return 0;
+}
+
 int32_t llama_polykv_set_phase(struct llama_context * ctx, int32_t phase) {
     if (phase < -1 || phase > LLAMA_POLYKV_PHASE_DECODE) {
         set_last_error("phase " + std::to_string(phase) + ": expected -1 (auto), 0 (prefill) or 1 (decode)");

@@ -15,6 +15,8 @@
 #include "llama-memory.h"
 #include "llama-io.h"
 
+#include "ggml-cpp.h"
+
 #include <array>
 #include <memory>
 #include <string>
@@ -248,6 +250,8 @@ public:
     // host time of the evictions after decode steps (llama_polykv_get_decode_timing)
     int64_t decode_select_us() const { return t_decode_select_us; }
     int64_t decode_steps() const { return n_decode_steps; }
+    // repacks whose K/V copies ran as a graph on the caches' device (llama_polykv_get_device_repacks)
+    int64_t device_repacks() const { return n_device_repacks; }
 
     // feed the probe after the prompt so far, read its rows into the score state, remove it, evict every group to
     // its streaming budget by its prompt pattern; returns the cells freed. Throws on misuse
@@ -309,6 +313,7 @@ private:
     bool prompt_done = false;
     int64_t t_decode_select_us = 0;
     int64_t n_decode_steps = 0;
+    int64_t n_device_repacks = 0;
 
     bool kvzip_active = false; // a reconstruction pass is running
     bool kvzip_scored = false; // the prompt in the cache was scored by one
@@ -399,6 +404,23 @@ private:
     void evict(group & grp, const llama_polykv_phase_plan & pp);
     // per-head groups: move each head's kept tokens into the first cells and relabel the stock cells
     void repack(group & grp);
+    // one (KV head, cell) row of a per-head group moved by repack
+    struct repack_move {
+        uint32_t h;
+        uint32_t src;
+        uint32_t dst;
+    };
+    // the K/V copies of a repack as one graph on the caches' own device: get_rows of the moved (cell, head) rows,
+    // set_rows at their new places; one round trip to a GPU or an RPC server instead of two per move, layer and
+    // tensor. false: the host copies it (host buffers, quantized or transposed caches; LLAMA_POLYKV_DEVICE_REPACK
+    // 1 forces the graph on host buffers too, 0 turns it off)
+    bool repack_on_device(const group & grp, const std::vector<repack_move> & moves);
+    struct device_repacker {
+        ggml_backend_buffer_type_t buft;
+        ggml_backend_ptr           backend;
+        ggml_gallocr_ptr           galloc;
+    };
+    std::vector<device_repacker> repackers; // per buffer type, made on first use
 
     // the stock cache of a group with cap cells
     std::unique_ptr<llama_kv_cache> new_group_cache(const group & grp, uint32_t cap) const;
