@@ -950,11 +950,10 @@ bool llama_kv_cache_poly::repack_on_device(const group & grp, const std::vector<
 
     const int64_t n = (int64_t) moves.size();
     const int64_t n_rows = (int64_t) grp.n_head_kv * grp.capacity; // a cell row holds its heads side by side
-    std::vector<int32_t> src(n);
-    std::vector<int64_t> dst(n);
+    std::vector<int32_t> idx(2 * n); // the source rows, then the destination rows: one upload
     for (int64_t i = 0; i < n; ++i) {
-        src[i] = (int32_t) (moves[i].src * grp.n_head_kv + moves[i].h);
-        dst[i] = (int64_t) moves[i].dst * grp.n_head_kv + moves[i].h;
+        idx[i]     = (int32_t) (moves[i].src * grp.n_head_kv + moves[i].h);
+        idx[n + i] = (int32_t) (moves[i].dst * grp.n_head_kv + moves[i].h);
     }
 
     // a backend of its device and an allocator for each buffer type holding these caches (layers offloaded to
@@ -981,14 +980,14 @@ bool llama_kv_cache_poly::repack_on_device(const group & grp, const std::vector<
 
     for (auto & rp : repackers) {
         const size_t n_nodes = 2 * copies.size() + 8;
-        ggml_init_params ip = { (2 + 3 * copies.size()) * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_nodes, false),
+        ggml_init_params ip = { (3 + 3 * copies.size()) * ggml_tensor_overhead() + ggml_graph_overhead_custom(n_nodes, false),
                                 nullptr, /*no_alloc*/ true };
         ggml_context_ptr ctx(ggml_init(ip));
         ggml_cgraph * gf = ggml_new_graph_custom(ctx.get(), n_nodes, false);
-        ggml_tensor * t_src = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, n);
-        ggml_tensor * t_dst = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I64, n);
-        ggml_set_input(t_src);
-        ggml_set_input(t_dst);
+        ggml_tensor * t_idx = ggml_new_tensor_1d(ctx.get(), GGML_TYPE_I32, 2 * n);
+        ggml_set_input(t_idx);
+        ggml_tensor * t_src = ggml_view_1d(ctx.get(), t_idx, n, 0);
+        ggml_tensor * t_dst = ggml_view_1d(ctx.get(), t_idx, n, n * sizeof(int32_t));
         for (const auto & c : copies) {
             if (ggml_backend_buffer_get_type(c.t->buffer) != rp.buft) {
                 continue;
@@ -1002,8 +1001,7 @@ bool llama_kv_cache_poly::repack_on_device(const group & grp, const std::vector<
         }
         bool ok = ggml_gallocr_alloc_graph(rp.galloc.get(), gf);
         if (ok) {
-            ggml_backend_tensor_set(t_src, src.data(), 0, ggml_nbytes(t_src));
-            ggml_backend_tensor_set(t_dst, dst.data(), 0, ggml_nbytes(t_dst));
+            ggml_backend_tensor_set(t_idx, idx.data(), 0, ggml_nbytes(t_idx));
             ok = ggml_backend_graph_compute(rp.backend.get(), gf) == GGML_STATUS_SUCCESS;
         }
         if (!ok) {
