@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check: build polykv-cpp's llama.cpp with CUDA for the local GPU only, run the GPU tests (kept positions
 # on the GPU equal the CPU's and the numpy reference's), the native tests with every layer offloaded, and
-# bench_kv.py at 4K/16K/32K with and without a plan (and at the deepest depth with graph reuse off). Writes
-# gpu_check.md and gpu_check.json into OUT_DIR.
+# bench_kv.py at 4K/16K/32K with and without a plan (and at the deepest depth with graph reuse off, and the per-head
+# plan with its moved rows copied by the host). Writes gpu_check.md and gpu_check.json into OUT_DIR.
 #
 #   bash scripts/gpu_check.sh [OUT_DIR]          (default results/gpu-check)
 #
@@ -87,6 +87,12 @@ report() {
             echo "The same with graph reuse off (LLAMA_GRAPH_REUSE_DISABLE=1):"
             echo
             cat "$BUILD/bench_noreuse.md"
+        fi
+        if [ -f "$BUILD/bench_hostrepack.md" ]; then
+            echo
+            echo "The per-head plan with its moved rows copied by the host (LLAMA_POLYKV_DEVICE_REPACK=0):"
+            echo
+            cat "$BUILD/bench_hostrepack.md"
         fi
     } >"$OUT_DIR/gpu_check.md"
     "$PY" - "$OUT_DIR" "${STEPS[@]}" <<'EOF'
@@ -307,9 +313,16 @@ step bench_noreuse 300 env LLAMA_GRAPH_REUSE_DISABLE=1 "$PY" scripts/bench_kv.py
     --depths "$REUSE_DEPTH" --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --plan "$SHIPPED_E64" \
     --kv-budget 512 --no-progress --out "$BUILD/bench_noreuse.json" --md "$BUILD/bench_noreuse.md"
 
+# ---- per-head moves on the GPU: the per-head plan again with the host copying the moved rows (as before
+# session 36: LLAMA_POLYKV_DEVICE_REPACK=0) against the default, one graph per eviction on the device --------------
+step bench_hostrepack 300 env LLAMA_POLYKV_DEVICE_REPACK=0 "$PY" scripts/bench_kv.py --model "$MODEL" -ngl "$NGL" -fa on \
+    --depths "$REUSE_DEPTH" --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --plan "$HEAD_PLAN" \
+    --kv-budget 512 --no-progress --out "$BUILD/bench_hostrepack.json" --md "$BUILD/bench_hostrepack.md"
+
 # ---- the native suites with every layer offloaded (last: the CPU runs them in CI) ------------------------------
 step test_native_ngl99 900 env LLAMA_ARG_N_GPU_LAYERS=99 "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_polykv_native.py tests/test_per_head.py --junitxml="$OUT_DIR/test_native_ngl99.xml"
+    tests/test_polykv_native.py tests/test_per_head.py tests/test_device_repack.py \
+    --junitxml="$OUT_DIR/test_native_ngl99.xml"
 
 # ---- report ----------------------------------------------------------------------------------------------------
 report
