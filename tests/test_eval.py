@@ -979,6 +979,48 @@ def test_one_kvzip_pass_per_sample_serves_every_kvzip_run(tiny_gguf, tmp_path):
     assert a == b and len(a) == 2 * 2 * 5
 
 
+def test_the_state_cache_keeps_kvzip_scored_states_for_later_evaluations(tiny_gguf, tmp_path):
+    """With --state-cache the first evaluation saves each sample's state after KVzip's reconstruction pass; a later
+    evaluation with another KVzip method runs no pass (it loads the scored states) and answers as one that ran its
+    own passes."""
+    base = {**TINY_BASE, "budgets": [32], "tasks": ["niah_single", "vt"], "n_samples": 1, "n_ppl_texts": 0,
+            "ppl": False, "png": False}
+    cache = tmp_path / "states"
+    first = run_eval(EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "a"), methods=["fullkv", "kvzip"],
+                                state_cache=str(cache), **base), log=lambda m: None)
+    assert first["reuse"]["kvzip_passes_loaded"] == 0
+    assert len(list(cache.glob("*-kvzip.npz"))) == 2 * 2  # 2 samples x 2 protocols (their prompts differ)
+    later = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "b"), methods=["fullkv", "kvzip-head"],
+                       state_cache=str(cache), **base)
+    ev = Evaluator(later, log=lambda m: None)
+    ev.setup()
+    passes: list[int] = []
+    make_context = ev._context
+
+    def counting_context(run, prefill="chunked"):
+        ctx = make_context(run, prefill)
+        score = ctx.score_prompt_kvzip
+        ctx.score_prompt_kvzip = lambda *a, **kw: (passes.append(1), score(*a, **kw))[1]
+        return ctx
+    ev._context = counting_context
+    res = ev.run()
+    ev.model.close()
+    assert not passes and res["reuse"]["kvzip_passes_loaded"] == 2 * 2
+    own = run_eval(EvalConfig(**{**later.__dict__, "out_dir": str(tmp_path / "own"), "state_cache": None}),
+                   log=lambda m: None)
+    assert own["reuse"]["kvzip_passes_loaded"] == 0
+    key = lambda r: (r["task"], r["protocol"], r["method"], r["budget"])  # noqa: E731
+    a = {key(r): r["prediction"] for r in res["records"] if r["kind"] == "ruler"}
+    b = {key(r): r["prediction"] for r in own["records"] if r["kind"] == "ruler"}
+    assert a == b and len(a) == 2 * 2 * 2
+    # a damaged scored state is scored again, not loaded
+    for f in cache.glob("*-kvzip.npz"):
+        f.write_bytes(b"damaged")
+    again = run_eval(EvalConfig(**{**later.__dict__, "out_dir": str(tmp_path / "c")}), log=lambda m: None)
+    assert again["reuse"]["kvzip_passes_loaded"] == 0
+    assert {key(r): r["prediction"] for r in again["records"] if r["kind"] == "ruler"} == b
+
+
 def test_paired_diff_compares_other_budgets_on_request(tmp_path, capsys):
     """--any-budget: a method at another budget is compared with the base (its own budget in the row); without it
     only the base's budget is; --only takes METHOD@BUDGET."""

@@ -308,29 +308,32 @@ void llama_polykv_build_scores(
         m = ggml_cont(ctx0, m); // a per-head mask: the last rows of every head's slice
     }
     ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, m, kq_scale, 0.0f);           // [n_kv, n_rows, n_head]
-    p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 2, 0, 3));                     // [n_head, n_kv, n_rows]
-    const int64_t n_kv = p->ne[1];
     if (kvzip) {
-        // KVzip takes the largest probability of any query head of a group (the paper and kvpress); pooling along
-        // the head axis keeps it on the backend
-        ggml_tensor * p2 = ggml_reshape_2d(ctx0, p, n_head, n_kv * n_rows);
+        // KVzip takes the largest probability any query row of any query head of a group gives a key (the paper
+        // and kvpress): the maximum over the rows first, on the backend (one pooling window spanning them), then
+        // over the heads of the small result, so the host reads one row per KV head instead of n_rows
+        const int64_t n_kv = p->ne[0];
+        ggml_tensor * pr = ggml_pool_2d(ctx0, p, GGML_OP_POOL_MAX, 1, (int) n_rows, 1, (int) n_rows, 0, 0); // [n_kv, 1, n_head]
+        pr = ggml_cont(ctx0, ggml_permute(ctx0, ggml_reshape_2d(ctx0, pr, n_kv, n_head), 1, 0, 2, 3));  // [n_head, n_kv]
         if (grp.head_scores()) {
             const int rk = (int) (n_head / grp.n_head_kv);
-            ggml_tensor * ph = ggml_pool_1d(ctx0, p2, GGML_OP_POOL_MAX, rk, rk, 0);  // [n_head_kv, n_kv*n_rows]
-            ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, n_rows);
+            ggml_tensor * ph = ggml_pool_1d(ctx0, pr, GGML_OP_POOL_MAX, rk, rk, 0);  // [n_head_kv, n_kv]
+            ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, 1);
             ggml_set_output(ph);
             ggml_build_forward_expand(gf, ph);
             grp.t_rows_heads = outs.rows_heads = ph;
         }
         if (grp.layer_scores()) {
-            ggml_tensor * pl = ggml_pool_1d(ctx0, p2, GGML_OP_POOL_MAX, (int) n_head, (int) n_head, 0);
-            pl = ggml_reshape_3d(ctx0, pl, 1, n_kv, n_rows);
+            ggml_tensor * pl = ggml_pool_1d(ctx0, pr, GGML_OP_POOL_MAX, (int) n_head, (int) n_head, 0);
+            pl = ggml_reshape_3d(ctx0, pl, 1, n_kv, 1);
             ggml_set_output(pl);
             ggml_build_forward_expand(gf, pl);
             grp.t_rows = outs.rows = pl;
         }
         return;
     }
+    p = ggml_cont(ctx0, ggml_permute(ctx0, p, 1, 2, 0, 3));                     // [n_head, n_kv, n_rows]
+    const int64_t n_kv = p->ne[1];
     if (grp.head_scores()) {
         // query head q reads KV head q / (n_head / n_head_kv): average each KV head's query heads
         const int64_t rk = n_head / grp.n_head_kv;

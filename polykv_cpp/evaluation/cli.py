@@ -209,7 +209,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     g.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     g.add_argument("--state-cache", metavar="DIR", default=None,
                    help="keep each prompt's prefilled state in DIR (~130 MB per 4K prompt of a 0.5B model) and load "
-                        "it in later evaluations of the same samples instead of prefilling again (exact prefill)")
+                        "it in later evaluations of the same samples instead of prefilling again (exact prefill); KVzip's "
+                        "scored states too, so later KVzip plans run no reconstruction pass")
     g.add_argument("--no-reuse", action="store_true",
                    help="recompute everything (no FullKV copies, no shared prefill state)")
     g.add_argument("--report-only", metavar="DIR", default=None,

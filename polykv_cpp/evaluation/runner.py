@@ -283,6 +283,10 @@ class PromptStateCache:
     context size, batch sizes, cache types, flash attention, GPU layers), so a state is only loaded into a context
     that would have computed it. Size: the FullKV cache of the prompt plus the attention statistics, twice (about
     150 MB per 4K prompt of Qwen2.5-Coder-0.5B).
+
+    KVzip's scored states (:meth:`load_scored`) live beside them: the prompt after its reconstruction pass, with
+    the scores every KVzip plan compresses by, named by the tokens, the reconstruction prefix and the chunk size as
+    well, so later evaluations of other KVzip plans skip the pass too (about 75 MB per 4K prompt).
     """
 
     def __init__(self, directory: Path, identity: dict[str, Any]):
@@ -290,29 +294,49 @@ class PromptStateCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.identity = json.dumps(identity, sort_keys=True, default=_json_default)
 
-    def path(self, part1: Sequence[int], part2: Sequence[int]) -> Path:
+    def _named(self, key: bytes, suffix: str = "") -> Path:
         h = hashlib.sha256(self.identity.encode())
-        h.update(np.asarray(part1, dtype=np.int64).tobytes() + b"|" + np.asarray(part2, dtype=np.int64).tobytes())
-        return self.dir / f"{h.hexdigest()[:32]}.npz"
+        h.update(key)
+        return self.dir / f"{h.hexdigest()[:32]}{suffix}.npz"
+
+    def path(self, part1: Sequence[int], part2: Sequence[int]) -> Path:
+        return self._named(_ids(part1) + b"|" + _ids(part2))
+
+    def scored_path(self, prompt: Sequence[int], prefix: Sequence[int], chunk: int) -> Path:
+        return self._named(b"kvzip|" + _ids(prefix) + f"|{int(chunk)}|".encode() + _ids(prompt), "-kvzip")
 
     def load(self, part1: Sequence[int], part2: Sequence[int]) -> tuple[Any, Any] | None:
+        return self._load(self.path(part1, part2), ("s1", "s2"))  # type: ignore[return-value]
+
+    def save(self, part1: Sequence[int], part2: Sequence[int], s1: Any, s2: Any) -> None:
+        self._save(self.path(part1, part2), {"s1": s1, "s2": s2})
+
+    def load_scored(self, prompt: Sequence[int], prefix: Sequence[int], chunk: int) -> Any | None:
+        """The prompt's state after KVzip's reconstruction pass (`Context.score_prompt_kvzip`), or None."""
+        got = self._load(self.scored_path(prompt, prefix, chunk), ("scored",))
+        return got[0] if got else None
+
+    def save_scored(self, prompt: Sequence[int], prefix: Sequence[int], chunk: int, snap: Any) -> None:
+        self._save(self.scored_path(prompt, prefix, chunk), {"scored": snap})
+
+    @staticmethod
+    def _load(path: Path, keys: tuple[str, ...]) -> tuple[Any, ...] | None:
         from polykv_cpp.api import Snapshot
 
-        path = self.path(part1, part2)
         if not path.exists():
             return None
         try:
             with np.load(path) as z:
                 return tuple(Snapshot(z[f"{k}_state"].tobytes(), z[f"{k}_logits"] if z[f"{k}_has_logits"] else None,
                                       [int(t) for t in z[f"{k}_pending"]])
-                             for k in ("s1", "s2"))  # type: ignore[return-value]
+                             for k in keys)
         except (OSError, ValueError, KeyError):
-            return None  # a damaged or partial file: prefill again and overwrite it
+            return None  # a damaged or partial file: compute it again and overwrite it
 
-    def save(self, part1: Sequence[int], part2: Sequence[int], s1: Any, s2: Any) -> None:
-        path = self.path(part1, part2)
+    @staticmethod
+    def _save(path: Path, snaps: dict[str, Any]) -> None:
         arrays: dict[str, np.ndarray] = {}
-        for k, snap in (("s1", s1), ("s2", s2)):
+        for k, snap in snaps.items():
             arrays[f"{k}_pending"] = np.asarray(snap.pending, dtype=np.int64)
             arrays[f"{k}_state"] = np.frombuffer(snap.state, dtype=np.uint8)
             arrays[f"{k}_has_logits"] = np.asarray(snap.logits is not None)
@@ -320,6 +344,10 @@ class PromptStateCache:
         tmp = path.with_name(path.stem + ".tmp.npz")
         np.savez(tmp, **arrays)
         os.replace(tmp, path)
+
+
+def _ids(tokens: Sequence[int]) -> bytes:
+    return np.asarray(tokens, dtype=np.int64).tobytes()
 
 
 class _Writer:
@@ -362,7 +390,8 @@ class Evaluator:
         self.reuse = {"tokenization": "", "fullkv_protocols_shared": 0, "copied_from_fullkv": 0,
                       "prefix_tokens_shared": 0, "prefix_tokens_total": 0, "ppl_fullkv_reference_runs": 0,
                       "contexts_created": 0, "prompt_tokens_shared": 0, "prompt_tokens_reused": 0,
-                      "prompt_states_loaded": 0, "kvzip_passes_shared": 0}
+                      "prompt_states_loaded": 0, "kvzip_passes_shared": 0,
+                      "kvzip_passes_loaded": 0}
         self.state_cache: PromptStateCache | None = None
         self.runs: list[Run] = []
         self.model = None
@@ -840,11 +869,20 @@ class Evaluator:
             ctx.restore(scored[protocol])
             self.reuse["kvzip_passes_shared"] += 1
             return
+        prefix = self.model.kvzip_prefix()
+        loaded = self.state_cache.load_scored(prompt_tokens, prefix, KVZIP_ROOM) if self.state_cache else None
+        if loaded is not None:
+            ctx.restore(loaded)
+            scored[protocol] = loaded
+            self.reuse["kvzip_passes_loaded"] += 1
+            return
         ctx.restore(state)
         t0 = time.time()
-        ctx.score_prompt_kvzip(prompt_tokens, chunk=KVZIP_ROOM)
+        ctx.score_prompt_kvzip(prompt_tokens, prefix=prefix, chunk=KVZIP_ROOM)
         run.info["kvzip_seconds"] = round(run.info.get("kvzip_seconds", 0) + time.time() - t0, 2)
         scored[protocol] = ctx.snapshot()
+        if self.state_cache:
+            self.state_cache.save_scored(prompt_tokens, prefix, KVZIP_ROOM, scored[protocol])
 
     def _compress(self, ctx, run: Run, prompt_tokens: list[int]) -> None:
         """Compress the prompt in `ctx` now: by a KVzip reconstruction pass when the plan uses KVzip (its seconds
@@ -1050,6 +1088,8 @@ class Evaluator:
             *([f"KVzip: {self.reuse['kvzip_passes_shared']} reconstruction passes saved (one pass per sample and "
                "protocol, its scored state loaded by the other KVzip runs)"] if self.reuse["kvzip_passes_shared"]
               else []),
+            *([f"KVzip: {self.reuse['kvzip_passes_loaded']} scored prompt states loaded from the state cache instead "
+               "of a reconstruction pass"] if self.reuse["kvzip_passes_loaded"] else []),
             f"FullKV: one generation per sample served both protocols ({self.reuse['fullkv_protocols_shared']} "
             "results shared) and is the reference of every budget",
             f"{self.reuse['copied_from_fullkv']} results copied from FullKV because the (method, budget) keeps "
