@@ -17,11 +17,14 @@ Pass criteria, written next to the numbers (``--out`` JSON, and .md/.png beside 
 after warm-up, and no loop that FullKV does not show: every block's distinct-4-gram share is at least half of
 FullKV's in the same block (without a FullKV run: at least 0.3). ``--resume`` keeps the configurations an
 earlier run of the same settings already wrote to ``--out``. ``--repeat-penalty`` adds llama.cpp's repetition
-penalty to every configuration's sampling, FullKV's included.
+penalty to every configuration's sampling, FullKV's included. ``--fullkv-from`` takes FullKV's run from another
+soak's JSON made with the same settings but another budget (FullKV does not depend on it).
 
     python scripts/soak.py                                   # 20K tokens, budget 256, plan + SnapKV + FullKV
     python scripts/soak.py --configs plan,snapkv,streamingllm,fullkv --resume    # adds StreamingLLM
     python scripts/soak.py --tokens 2000 --every 500 --configs plan,snapkv --out /tmp/soak.json
+    python scripts/soak.py --kv-budget 1024 --configs plan,fullkv --fullkv-from results/soak-qwen/soak.json \
+        --out results/soak-qwen-b1024/soak.json
 """
 
 from __future__ import annotations
@@ -169,6 +172,23 @@ def run_config(spec: dict, bar) -> dict:
     return {"name": spec["name"], "blocks": blocks, "text_head": head}
 
 
+def fullkv_from(path: Path, base: dict) -> dict:
+    """FullKV's configuration from another soak's JSON, checked to share every setting but the budget."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"soak: --fullkv-from {path}: cannot read it ({e})") from None
+    differ = [k for k, v in base.items()
+              if k not in ("model", "kv_budget") and old.get(k, SAMPLING_DEFAULTS.get(k)) != v]
+    if Path(str(old.get("model", ""))).name != Path(base["model"]).name:
+        differ.append("model")
+    full = next((c for c in old.get("configs", []) if c.get("name") == "fullkv"), None)
+    if differ or full is None:
+        why = f"its settings differ in {', '.join(differ)}" if differ else "it has no fullkv run"
+        raise SystemExit(f"soak: --fullkv-from {path}: {why}")
+    return full
+
+
 def verdict(cfg: dict, warmup: int, fullkv: dict | None) -> dict:
     """The pass criteria of the module docstring for one configuration (`fullkv`: FullKV's run, if any)."""
     after = [b for b in cfg["blocks"] if b["tokens"] > warmup] or cfg["blocks"][-1:]
@@ -255,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default="plan,snapkv,fullkv",
                     help="plan, fullkv, or pattern names (uniform at --kv-budget), comma-separated")
     ap.add_argument("--resume", action="store_true", help="keep the configurations --out already holds")
+    ap.add_argument("--fullkv-from", type=Path,
+                    help="take FullKV's run from this soak JSON (same settings, any budget) instead of running it")
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "soak-qwen" / "soak.json")
     ap.add_argument("--_worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -282,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(old.get(k, SAMPLING_DEFAULTS.get(k)) != v for k, v in base.items() if k != "model") or old.get("plan") != args.plan:
             raise SystemExit(f"soak: {args.out} holds a run of other settings; use another --out or drop --resume")
         done = {c["name"]: c for c in old["configs"]}
+    if args.fullkv_from is not None and "fullkv" in names and "fullkv" not in done:
+        done["fullkv"] = fullkv_from(args.fullkv_from, base)
     configs = []
     for name in names:
         if name in done:

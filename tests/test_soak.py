@@ -91,6 +91,21 @@ def test_soak_tiny_model(soak, tiny_gguf, tmp_path):
         soak.main([a if a != "300" else "200" for a in args] + ["--resume"])
     with pytest.raises(SystemExit):
         soak.main(args + ["--configs", "plan,nonsense"])
+    # --fullkv-from: FullKV's run comes from a soak of another budget (it does not depend on it), never re-run
+    other = tmp_path / "b48.json"
+    at48 = list(args)
+    at48[at48.index("--kv-budget") + 1] = "48"
+    at48[at48.index("--out") + 1] = str(other)
+    soak.main(at48 + ["--configs", "streamingllm,fullkv", "--fullkv-from", str(out)])
+    taken = {c["name"]: c for c in json.loads(other.read_text())["configs"]}
+    assert taken["fullkv"]["blocks"] == report["configs"][-1]["blocks"]
+    assert taken["streamingllm"]["blocks"][0]["kv_bytes"] > again["configs"][1]["blocks"][0]["kv_bytes"]
+    with pytest.raises(SystemExit, match="differ in seed"):
+        soak.main(at48 + ["--seed", "7", "--configs", "fullkv", "--fullkv-from", str(out)])
+    plan_only = tmp_path / "plan-only.json"
+    plan_only.write_text(json.dumps({**report, "configs": report["configs"][:1]}))
+    with pytest.raises(SystemExit, match="no fullkv run"):
+        soak.main(at48 + ["--configs", "fullkv", "--fullkv-from", str(plan_only)])
     by = {c["name"]: c for c in report["configs"]}
     for c in report["configs"]:
         assert [b["tokens"] for b in c["blocks"]] == [100, 200, 300]
