@@ -249,6 +249,49 @@ def test_question_after_a_kvzip_compression_is_kept(twin, tokens):
                 assert set(kept[:-5]) < set(before[h])
 
 
+def test_per_prompt_kvzip_plan_on_q8_0_caches(tmp_path, tokens):
+    """The shipped query-agnostic plan's shape (per-head KVzip in every layer, budgets re-split per prompt,
+    follow-ups kept) on q8_0 K/V: the pass runs, every head keeps its share of the same total, the kept sets stay
+    close to the f16 run's (scores come from quantized keys), the question is kept after the compression, and the
+    caches take about 1.0625/2 of f16's bytes. A model whose heads hold whole q8_0 blocks (32 dimensions)."""
+    from tiny_models import TinyConfig, write_tiny_gguf
+
+    cfg = TinyConfig(n_layer=CFG.n_layer, n_embd=128, n_head=4, n_head_kv=2, n_ff=128, n_vocab=CFG.n_vocab)
+    path = write_tiny_gguf(tmp_path / "d32.gguf", cfg, seed=3)
+    layers = [plan_mod.LayerPlan(j, plan_mod.PhasePlan("kvzip", budget=B_PREFILL, n_sink=1, window=0, selection="head"),
+                                 plan_mod.PhasePlan("snapkv", budget=B_DECODE, selection="head", **PHASE_PARAMS["snapkv"]))
+              for j in range(cfg.n_layer)]
+    plan = plan_mod.Plan(version=1, n_layer=cfg.n_layer, budget_avg=B_PREFILL, b_min=2, budget_rule="test",
+                         layers=layers, exact_total=False, allocation="prompt", followup="keep").validate()
+    q = tokens[P:P + 4]
+    runs = {}
+    for kv_type in ("f16", "q8_0"):
+        with Model(path) as model:
+            model.set_plan(plan, prefill="exact")
+            with model.context(n_ctx=256, flash_attn="on", type_k=kv_type, type_v=kv_type) as ctx:
+                ctx.decode(tokens[:P])
+                ctx.compress_prompt_kvzip(tokens[:P], prefix=PREFIX, chunk=CHUNK)
+                kept = [[ctx.kept_positions(il, h) for h in range(cfg.n_head_kv)] for il in range(cfg.n_layer)]
+                ctx.decode(q)
+                ctx.compress_prompt()
+                after = [[ctx.kept_positions(il, h) for h in range(cfg.n_head_kv)] for il in range(cfg.n_layer)]
+                logits = ctx.logits()
+                runs[kv_type] = kept, after, logits, sum(s.bytes for s in ctx.kv_layer_stats())
+    (kept_f, _, _, bytes_f), (kept_q, after_q, logits_q, bytes_q) = runs["f16"], runs["q8_0"]
+    pool = cfg.n_layer * cfg.n_head_kv * B_PREFILL  # each layer's share is whole tokens per head: rounded down
+    for kept in (kept_q, kept_f):
+        assert pool - cfg.n_layer * cfg.n_head_kv < sum(len(k) for heads in kept for k in heads) <= pool
+        assert all(len({len(k) for k in heads}) == 1 for heads in kept)  # a layer's heads keep one count
+    assert all(len(k) >= 2 for heads in kept_q for k in heads)
+    pairs = [(set(a), set(b)) for ha, hb in zip(kept_q, kept_f) for a, b in zip(ha, hb)]
+    assert sum(len(a & b) for a, b in pairs) / sum(len(b) for _, b in pairs) >= 0.75
+    for heads, before in zip(after_q, kept_q):
+        for h, k in enumerate(heads):
+            assert k == before[h] + list(range(P, P + 4))  # the question on top of the compressed context
+    assert np.isfinite(logits_q).all()
+    assert 0.4 < bytes_q / bytes_f < 0.6
+
+
 def test_kvzip_misuse_is_reported(twin, tokens):
     _, path = twin
     with pytest.raises(PlanError, match="prefill pattern only"):
