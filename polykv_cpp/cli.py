@@ -175,19 +175,20 @@ def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool
         f"generation: {perf['eval_tokens']} tokens, {_rate(perf['eval_tokens'], perf['eval_ms'])}",
     ]
     stats = ctx.kv_layer_stats()
+    kv_types = f"{ctx.type_k}/{ctx.type_v}"
     if not stats:
         from polykv_cpp.api import KV_TYPE_BYTES
 
         kv = kv_cache_bytes(model, ctx.n_ctx, KV_TYPE_BYTES[ctx.type_k], KV_TYPE_BYTES[ctx.type_v])
-        lines.append(f"KV cache: FullKV (no plan), {ctx.n_ctx} cells x {model.n_layer} layers = {kv / mib:.1f} MiB, "
-                     f"saved 0.0%")
+        lines.append(f"KV cache: FullKV (no plan), {ctx.n_ctx} cells x {model.n_layer} layers = {kv / mib:.1f} MiB "
+                     f"(K/V {kv_types}), saved 0.0%")
     else:
         used = sum(s.bytes for s in stats)
         full = sum(s.bytes_fullkv for s in stats)
         patterns = sorted({s.pattern_prefill for s in stats} | {s.pattern_decode for s in stats})
         lines.append(f"KV cache: PolyKV plan ({', '.join(patterns)}), {sum(s.capacity for s in stats)} cells in "
                      f"{len({s.group for s in stats})} groups = {used / mib:.1f} MiB vs FullKV {full / mib:.1f} MiB "
-                     f"at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; {prefill_mode}")
+                     f"(K/V {kv_types}) at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; {prefill_mode}")
         if prefill_mode.startswith(("exact", "portable")):
             lines[-1] += " (the prompt was held whole until its compression, up to FullKV's size; then the caches shrank)"
         evicted = sum(s.n_evicted for s in stats)

@@ -118,6 +118,34 @@ def test_run_evict_every_batches_decode_eviction(cli_exe, tiny_gguf, tmp_path):
     assert bad.returncode == 2 and "--evict-every needs a plan" in bad.stderr
 
 
+def test_run_reports_quantized_kv_bytes(cli_exe, tmp_path):
+    """`-ctk/-ctv q8_0` with a plan: the summary names the K/V types and its MiB are the q8_0 cells' bytes (34 per 32
+    values against f16's 64), for the plan's caches and for FullKV's. A model whose heads hold whole q8_0 blocks."""
+    import re
+
+    from polykv_cpp.plan import uniform_plan
+    from tiny_models import TinyConfig, write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "d32.gguf", TinyConfig(n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=128),
+                            seed=3)
+    sidecar = tmp_path / "plan.json"
+    sidecar.write_text(uniform_plan(2, "snapkv", 4096, window=8, obs_window=8).to_json())  # caches of MiB, not KiB
+    mib = {}
+    for kv_type in ("f16", "q8_0"):
+        for plan_args in ([], ["--plan", sidecar]):
+            proc = run_cli(cli_exe, "run", model, "-p", "the cat and the dog " * 20, "-n", "4", "-c", "16384",
+                           "-ub", "128", "--no-echo", "-ctk", kv_type, "-ctv", kv_type, *plan_args)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            line = next(x for x in proc.stderr.splitlines() if "KV cache:" in x)
+            assert f"(K/V {kv_type}/{kv_type})" in line, line
+            sizes = [float(v) for v in re.findall(r"([0-9.]+) MiB", line)]
+            mib[kv_type, bool(plan_args)] = sizes
+    for with_plan in (False, True):
+        for f16, q8 in zip(mib["f16", with_plan], mib["q8_0", with_plan]):
+            assert abs(q8 - f16 * 34 / 64) <= 0.08, (with_plan, mib)  # both printed to 0.1 MiB
+    assert mib["q8_0", True][0] < mib["q8_0", True][1] == mib["q8_0", False][0]
+
+
 def test_run_question_takes_the_model_files_query_agnostic_plan(cli_exe, tiny_gguf, tmp_path):
     """A GGUF with both plans: a prompt read whole (the question inside) follows polykv.plan, a prompt compressed
     before its --question follows polykv.plan_query_agnostic; a model with one plan serves both."""
