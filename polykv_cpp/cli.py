@@ -188,7 +188,8 @@ def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool
         patterns = sorted({s.pattern_prefill for s in stats} | {s.pattern_decode for s in stats})
         lines.append(f"KV cache: PolyKV plan ({', '.join(patterns)}), {sum(s.capacity for s in stats)} cells in "
                      f"{len({s.group for s in stats})} groups = {used / mib:.1f} MiB vs FullKV {full / mib:.1f} MiB "
-                     f"(K/V {kv_types}) at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; {prefill_mode}")
+                     f"(K/V {kv_types}) at n_ctx {ctx.n_ctx}: saved {100 * (1 - used / max(full, 1)):.1f}%; "
+                     f"{prefill_mode}")
         if prefill_mode.startswith(("exact", "portable")):
             lines[-1] += " (the prompt was held whole until its compression, up to FullKV's size; then the caches shrank)"
         evicted = sum(s.n_evicted for s in stats)
