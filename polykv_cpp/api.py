@@ -49,18 +49,61 @@ def check_gguf_file(path: str | os.PathLike) -> Path:
     return p
 
 
+# llama.cpp's default DRY sequence breakers (common.h): a repetition never runs across one of them
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+
+
 @dataclass
 class SamplerSettings:
-    """Greedy when temperature <= 0; otherwise top-k -> top-p -> min-p -> temperature -> seeded draw."""
+    """llama.cpp's sampler chain, in common_sampler's order: repetition penalties -> DRY -> (greedy when
+    temperature <= 0; otherwise top-k -> top-p -> min-p -> temperature -> seeded draw).
+
+    ``repeat_penalty`` (1.0 = off) over the last ``repeat_last_n`` tokens is llama.cpp's ``--repeat-penalty``.
+    ``dry_multiplier`` (0 = off) turns on DRY ("Don't Repeat Yourself", p-e-w, oobabooga/text-generation-webui
+    #5677; llama.cpp's ``--dry-*`` flags): a token that would extend a sequence already seen in the last
+    ``dry_penalty_last_n`` tokens (-1: the whole context) by more than ``dry_allowed_length`` tokens loses
+    ``dry_multiplier * dry_base ** (length - dry_allowed_length)`` of its logit; matches stop at the
+    ``dry_sequence_breakers``. Both see the prompt's tokens too (llama.cpp's tools accept them into the sampler);
+    one generation call's history is not carried into the next call.
+    """
 
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
     seed: int = 0xFFFFFFFF
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
 
-    def build(self, lib):
+    def __post_init__(self):
+        if not self.repeat_penalty > 0:
+            raise ValueError(f"repeat_penalty must be > 0 (1.0 = off), got {self.repeat_penalty}")
+        if self.repeat_last_n < -1:
+            raise ValueError(f"repeat_last_n must be >= -1 (-1 = the whole context), got {self.repeat_last_n}")
+        if not self.dry_multiplier >= 0:
+            raise ValueError(f"dry_multiplier must be >= 0 (0 = off), got {self.dry_multiplier}")
+        if self.dry_multiplier > 0 and not self.dry_base >= 1:
+            raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 0:
+            raise ValueError(f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
+        if self.dry_penalty_last_n < -1:
+            raise ValueError(f"dry_penalty_last_n must be >= -1 (-1 = the whole context), got "
+                             f"{self.dry_penalty_last_n}")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the chain keeps a token history (repetition penalty or DRY)."""
+        return self.repeat_penalty != 1.0 or self.dry_multiplier > 0
+
+    def build(self, lib, vocab=None, n_ctx: int = 0):
+        """The chain; ``vocab`` (a ``llama_vocab *``) and ``n_ctx`` (what -1 windows mean) serve the penalties."""
         chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        self.add_penalties(lib, chain, vocab, n_ctx)
         if self.temperature <= 0:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
             return chain
@@ -73,6 +116,63 @@ class SamplerSettings:
         lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(self.temperature))
         lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(self.seed & 0xFFFFFFFF))
         return chain
+
+    def add_penalties(self, lib, chain, vocab=None, n_ctx: int = 0) -> None:
+        """Add the repetition penalty and DRY samplers (those that are on) to ``chain``."""
+        if self.repeat_penalty != 1.0:
+            last_n = n_ctx if self.repeat_last_n == -1 else self.repeat_last_n
+            n_vocab = lib.llama_vocab_n_tokens(vocab) if vocab is not None else 0
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_penalties(n_vocab, last_n, self.repeat_penalty,
+                                                                                0.0, 0.0))
+        if self.dry_multiplier > 0:
+            if vocab is None:
+                raise ValueError("DRY needs the model's vocabulary")
+            last_n = n_ctx if self.dry_penalty_last_n == -1 else self.dry_penalty_last_n
+            breakers = [ffi.new("char[]", b.encode()) for b in self.dry_sequence_breakers]
+            arr = ffi.new("const char *[]", breakers) if breakers else ffi.NULL
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dry(
+                vocab, self.dry_multiplier, self.dry_base, self.dry_allowed_length, last_n, arr, len(breakers)))
+
+
+def _token_data_array(logits: np.ndarray):
+    """A ``llama_token_data_array`` over ``logits`` (kept alive by the returned numpy array)."""
+    n = len(logits)
+    arr = np.zeros(n, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
+    arr["id"] = np.arange(n)
+    arr["logit"] = logits
+    data = ffi.cast("llama_token_data *", ffi.from_buffer(arr))
+    return arr, ffi.new("llama_token_data_array *", {"data": data, "size": n, "selected": -1, "sorted": False})
+
+
+class LogitPenalties:
+    """llama.cpp's repetition penalty and DRY (`SamplerSettings`' fields) applied to logits held in Python, for
+    callers that draw tokens themselves: ``accept`` every token of the history (prompt and generated), then
+    ``apply`` to each step's logits. Needs the model's vocabulary; ``n_ctx`` is what -1 windows mean."""
+
+    def __init__(self, model: "Model", settings: SamplerSettings, n_ctx: int):
+        self._lib = model._lib
+        self._chain = self._lib.llama_sampler_chain_init(self._lib.llama_sampler_chain_default_params())
+        settings.add_penalties(self._lib, self._chain, model._vocab, n_ctx)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        for tok in tokens:
+            self._lib.llama_sampler_accept(self._chain, int(tok))
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """The penalized logits (a new float32 array; ``logits`` is not changed)."""
+        arr, cur = _token_data_array(logits)
+        self._lib.llama_sampler_apply(self._chain, cur)
+        out = np.empty(len(logits), dtype=np.float32)
+        out[arr["id"]] = arr["logit"]
+        return out
+
+    def close(self) -> None:
+        if self._chain is not None:
+            self._lib.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self):
+        self.close()
 
 
 @dataclass
@@ -698,8 +798,11 @@ class Context:
         An empty prompt continues from the logits already there (after a decode or `load_state_bytes`).
         """
         settings = sampler or SamplerSettings()
-        chain = settings.build(self._lib)
+        chain = settings.build(self._lib, self.model._vocab, self.n_ctx)
         try:
+            if settings.penalizes:
+                for tok in prompt_tokens:
+                    self._lib.llama_sampler_accept(chain, int(tok))
             if prompt_tokens or self._pending:
                 # a prompt, or only the token sampled last time (a generation that goes on)
                 self.decode(prompt_tokens, probe=probe, phase="prefill" if prompt_tokens else "decode")
@@ -722,12 +825,7 @@ class Context:
 
     def _sample_from(self, chain, logits: np.ndarray) -> int:
         """What llama_sampler_sample does, on logits held here (after `restore`)."""
-        n = len(logits)
-        arr = np.zeros(n, dtype=np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")]))
-        arr["id"] = np.arange(n)
-        arr["logit"] = logits
-        data = ffi.cast("llama_token_data *", ffi.from_buffer(arr))
-        cur = ffi.new("llama_token_data_array *", {"data": data, "size": n, "selected": -1, "sorted": False})
+        arr, cur = _token_data_array(logits)
         self._lib.llama_sampler_apply(chain, cur)
         if cur.selected < 0 or cur.selected >= cur.size:
             raise NativeError("the sampler selected no token")
@@ -737,16 +835,21 @@ class Context:
 
     def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, seed: int = 0xFFFFFFFF,
-                 stream: bool = False, stop_at_eog: bool = True, probe: Sequence[int] | int | None = None):
+                 stream: bool = False, stop_at_eog: bool = True, probe: Sequence[int] | int | None = None,
+                 sampler: SamplerSettings | None = None, **penalties):
         """Generate a continuation of `prompt` (text or token ids) after the tokens already in the context.
 
         `probe`: token ids, or n for the prompt's last n tokens: they steer what a streaming prompt keeps (`decode`).
+        `penalties`: `SamplerSettings`' repetition penalty and DRY fields (`repeat_penalty=1.1`, `dry_multiplier=0.8`);
+        `sampler`: complete settings instead of the sampling arguments.
         Returns the text, or with stream=True an iterator of text pieces (UTF-8 safe).
         """
         tokens = self.model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if isinstance(probe, int):
             probe = tokens[-probe:] if probe > 0 else None
-        settings = SamplerSettings(temperature, top_k, top_p, min_p, seed)
+        if sampler is not None and penalties:
+            raise ValueError("give either sampler= or the sampling arguments, not both")
+        settings = sampler or SamplerSettings(temperature, top_k, top_p, min_p, seed, **penalties)
         pieces = self._pieces(self.generate_tokens(tokens, max_tokens=max_tokens, sampler=settings,
                                                    stop_at_eog=stop_at_eog, probe=probe))
         return pieces if stream else "".join(pieces)

@@ -51,7 +51,7 @@ def _read_prompt(args) -> str:
 
 def cmd_run(args) -> int:
     from polykv_cpp import _native
-    from polykv_cpp.api import Model
+    from polykv_cpp.api import Model, SamplerSettings
     from polykv_cpp.plan import needs_whole_prompt, uses_kvzip
 
     if args.plan_from_gguf and args.plan:
@@ -64,6 +64,17 @@ def cmd_run(args) -> int:
         args.prompt_probe = min(DEFAULT_PROMPT_PROBE, n_ubatch // 4)
     elif not 0 <= args.prompt_probe < n_ubatch:
         raise PolyKVError(f"--prompt-probe must be between 0 and the ubatch size - 1 (got {args.prompt_probe})")
+    try:
+        sampler = SamplerSettings(args.temp, args.top_k, args.top_p, args.min_p, args.seed,
+                                  repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
+                                  dry_multiplier=args.dry_multiplier, dry_base=args.dry_base,
+                                  dry_allowed_length=args.dry_allowed_length, dry_penalty_last_n=args.dry_penalty_last_n)
+    except ValueError as e:
+        msg = str(e)
+        for name in ("repeat_penalty", "repeat_last_n", "dry_multiplier", "dry_base", "dry_allowed_length",
+                     "dry_penalty_last_n"):
+            msg = msg.replace(name, "--" + name.replace("_", "-"))
+        raise PolyKVError(msg) from None
     prompt = _read_prompt(args)
     _native.set_verbose(args.verbose)
     t0 = time.perf_counter()
@@ -126,8 +137,7 @@ def cmd_run(args) -> int:
                     and len(gen_input) > ctx.n_ubatch - args.prompt_probe):
                 probe = gen_input[-args.prompt_probe:]
                 label += f", probed by the prompt's last {len(probe)} tokens"
-            for piece in ctx.generate(gen_input, max_tokens=args.n_predict, temperature=args.temp, top_k=args.top_k,
-                                      top_p=args.top_p, min_p=args.min_p, seed=args.seed, stream=True, probe=probe):
+            for piece in ctx.generate(gen_input, max_tokens=args.n_predict, sampler=sampler, stream=True, probe=probe):
                 sys.stdout.write(piece)
                 sys.stdout.flush()
             sys.stdout.write("\n")
@@ -256,6 +266,14 @@ def add_run_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("-s", "--seed", type=int, default=0xFFFFFFFF)
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="penalize repeated tokens (1.0 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="last n tokens the penalty sees (-1 = the context)")
+    p.add_argument("--dry-multiplier", type=float, default=0.0,
+                   help="DRY: penalize tokens that extend a repeated sequence (0 = off; 0.8 is DRY's suggestion)")
+    p.add_argument("--dry-base", type=float, default=1.75, help="DRY's penalty grows as base ^ (length - allowed)")
+    p.add_argument("--dry-allowed-length", type=int, default=2, help="DRY: repeats this long go free")
+    p.add_argument("--dry-penalty-last-n", type=int, default=-1,
+                   help="DRY: last n tokens scanned for repeats (-1 = the context)")
     p.add_argument("--no-echo", action="store_true", help="do not print the prompt")
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as one user message in the model's chat template (instruct models)")

@@ -156,6 +156,8 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
             tried="`--prefill-slack 0.5`"),
         run(str(model), "--plan", str(work / "good.json"), "--prompt-probe", "-3", *prompt, what="CLI flags",
             tried="`--prompt-probe -3`"),
+        run(str(model), "--dry-multiplier", "-1", *prompt, what="CLI flags", tried="`--dry-multiplier -1`"),
+        run(str(model), "--repeat-penalty", "nan", *prompt, what="CLI flags", tried="`--repeat-penalty nan`"),
         run(str(model), "--plan", str(work / "good.json"), "--prompt-probe", "4096", *prompt, what="CLI flags",
             tried="`--prompt-probe 4096` (longer than a ubatch)"),
         run(str(model), *prompt[:-3], "-c", "0", what="CLI flags", tried="`-c 0`", accepted=True),

@@ -17,7 +17,8 @@ Pass criteria, written next to the numbers (``--out`` JSON, and .md/.png beside 
 after warm-up, and no loop that FullKV does not show: every block's distinct-4-gram share is at least half of
 FullKV's in the same block (without a FullKV run: at least 0.3). ``--resume`` keeps the configurations an
 earlier run of the same settings already wrote to ``--out``. ``--repeat-penalty`` adds llama.cpp's repetition
-penalty to every configuration's sampling, FullKV's included. ``--fullkv-from`` takes FullKV's run from another
+penalty to every configuration's sampling, FullKV's included, and ``--dry-multiplier`` llama.cpp's DRY sampler
+(``polykv_cpp.api.LogitPenalties``, fed the prompt and every generated token). ``--fullkv-from`` takes FullKV's run from another
 soak's JSON made with the same settings but another budget (FullKV does not depend on it).
 
     python scripts/soak.py                                   # 20K tokens, budget 256, plan + SnapKV + FullKV
@@ -52,7 +53,8 @@ RSS_TOLERANCE = 0.02
 SPEED_RATIO = 0.9
 MIN_DISTINCT_4GRAMS = 0.3  # without a FullKV run
 #: sampling settings older result files do not name (their runs used these)
-SAMPLING_DEFAULTS = {"repeat_penalty": 1.0, "repeat_last_n": 64}
+SAMPLING_DEFAULTS = {"repeat_penalty": 1.0, "repeat_last_n": 64, "dry_multiplier": 0.0, "dry_base": 1.75,
+                     "dry_allowed_length": 2, "dry_penalty_last_n": -1}
 LOOP_RATIO = 0.5  # a block with less than half of FullKV's distinct 4-grams (same block) repeats more than FullKV
 
 
@@ -106,7 +108,7 @@ def _emit(event: dict) -> None:
 
 
 def worker(spec: dict) -> None:
-    from polykv_cpp.api import Model
+    from polykv_cpp.api import LogitPenalties, Model, SamplerSettings
     from polykv_cpp.errors import PolyKVError
 
     model = Model(spec["model"])
@@ -128,14 +130,23 @@ def worker(spec: dict) -> None:
     banned = np.array([t for t in range(model.n_vocab) if model.is_eog(t)], dtype=np.int64)
     rng = np.random.default_rng(spec["seed"])
     per_cell = 2 * model.n_layer * model.n_head_kv * (model.n_embd // model.n_head) * 2  # K+V, f16
+    dry = None
+    if spec.get("dry_multiplier", 0.0) > 0:
+        dry = LogitPenalties(model, SamplerSettings(**{k: spec[k] for k in ("dry_multiplier", "dry_base",
+                                                                                "dry_allowed_length",
+                                                                                "dry_penalty_last_n")}), n_ctx)
+        dry.accept(prompt)
     ctx.decode(prompt)
     out: list[int] = []
     t_block = time.perf_counter()
     for i in range(spec["tokens"]):
-        tok = sample_token(ctx.logits(), rng, banned, spec["temperature"], spec["top_k"], spec["top_p"],
+        logits = ctx.logits() if dry is None else dry.apply(ctx.logits())
+        tok = sample_token(logits, rng, banned, spec["temperature"], spec["top_k"], spec["top_p"],
                            recent=out[-spec["repeat_last_n"]:] if spec["repeat_last_n"] else [],
                            repeat_penalty=spec["repeat_penalty"])
         out.append(tok)
+        if dry is not None:
+            dry.accept([tok])
         ctx.decode([tok])
         if (i + 1) % spec["every"] == 0 or i + 1 == spec["tokens"]:
             now = time.perf_counter()
@@ -208,7 +219,13 @@ def verdict(cfg: dict, warmup: int, fullkv: dict | None) -> dict:
 def penalty_text(report: dict) -> str:
     """", repeat penalty P over the last N tokens" when the run used one."""
     p = report.get("repeat_penalty", SAMPLING_DEFAULTS["repeat_penalty"])
-    return "" if p == 1.0 else f", repeat penalty {p} over the last {report['repeat_last_n']} tokens"
+    text = "" if p == 1.0 else f", repeat penalty {p} over the last {report['repeat_last_n']} tokens"
+    dry = report.get("dry_multiplier", SAMPLING_DEFAULTS["dry_multiplier"])
+    if dry > 0:
+        last_n = report["dry_penalty_last_n"]
+        text += (f", DRY multiplier {dry} base {report['dry_base']} allowed length {report['dry_allowed_length']} "
+                 f"over {'the whole context' if last_n == -1 else f'the last {last_n} tokens'}")
+    return text
 
 
 def write_report(report: dict, md_path: Path | None, png_path: Path | None) -> str:
@@ -272,6 +289,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat-penalty", type=float, default=1.0,
                     help="llama.cpp's repetition penalty over the last --repeat-last-n tokens (1.0: off, its default)")
     ap.add_argument("--repeat-last-n", type=int, default=64)
+    ap.add_argument("--dry-multiplier", type=float, default=0.0,
+                    help="llama.cpp's DRY sampler in every configuration (0: off; 0.8 is DRY's suggestion)")
+    ap.add_argument("--dry-base", type=float, default=1.75)
+    ap.add_argument("--dry-allowed-length", type=int, default=2)
+    ap.add_argument("--dry-penalty-last-n", type=int, default=-1, help="-1: the whole context")
     ap.add_argument("--configs", default="plan,snapkv,fullkv",
                     help="plan, fullkv, or pattern names (uniform at --kv-budget), comma-separated")
     ap.add_argument("--resume", action="store_true", help="keep the configurations --out already holds")
@@ -297,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: unknown {', '.join(unknown) or 'empty list'} (plan, fullkv or {', '.join(PATTERN_NAMES)})")
     base = {"model": str(model_path), "kv_budget": args.kv_budget, "tokens": args.tokens, "every": args.every,
             "n_ubatch": args.n_ubatch, "threads": args.threads, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "seed": args.seed, "repeat_penalty": args.repeat_penalty, "repeat_last_n": args.repeat_last_n}
+            "seed": args.seed, "repeat_penalty": args.repeat_penalty, "repeat_last_n": args.repeat_last_n,
+            "dry_multiplier": args.dry_multiplier, "dry_base": args.dry_base,
+            "dry_allowed_length": args.dry_allowed_length, "dry_penalty_last_n": args.dry_penalty_last_n}
     done: dict[str, dict] = {}
     if args.resume and args.out.exists():
         old = json.loads(args.out.read_text())

@@ -366,7 +366,7 @@ def test_adakv_masks_equal_kvpress_own_and_change_the_decode(twins):
     assert all(layer.self_attn.masked_key_indices is None for layer in sdpa.model.layers)
 
 
-@pytest.mark.parametrize("method", ["kvzip-head", "kvzip-model-wide"])
+@pytest.mark.parametrize("method", ["kvzip-head", "kvzip-model-wide", "kvzip-plus-model-wide"])
 def test_kvzip_replay_equals_kvpress_own_flow(twins, method):
     """KVzipPress runs its reconstruction passes after the prefill: replayed on a copy of the shared prefill's
     FullKV cache it leaves the cache and the masks of kvpress's own ``with press(model): model(ids)``."""
@@ -377,6 +377,7 @@ def test_kvzip_replay_equals_kvpress_own_flow(twins, method):
     budget = 40
     press = K.make_press(kvpress, method, K.ratio_for(budget, len(ids), counts_pruned=True))
     assert type(press).__name__ == "KVzipPress" and press.layerwise == (method == "kvzip-head")
+    assert press.kvzip_plus_normalization == method.startswith("kvzip-plus")
     shared = K.SharedPrefill(sdpa, {})
     _, full = shared.run(ids)
     kept, masked = K.kvzip_cache(sdpa, press, ids, full)

@@ -66,6 +66,9 @@ PRESS_OF.update({f"{m}-head": PRESS_OF[m] for m in ("h2o", "snapkv", "tova", "kn
 #: prompt, the allocation the paper uses, which a plan of ours approximates with per-layer budgets fixed in advance
 KVZIP_PRESS = "KVzipPress"
 KVZIP_LAYERWISE = {"kvzip": True, "kvzip-head": True, "kvzip-model-wide": False}
+#: KVzip+ (kvpress's ``kvzip_plus_normalization``): each reconstruction query's attention divided by the norm of its
+#: hidden state and each key's by the norm of what its value writes to the residual stream, ||v W_O|| (per head)
+KVZIP_LAYERWISE.update({"kvzip-plus": True, "kvzip-plus-head": True, "kvzip-plus-model-wide": False})
 PRESS_OF.update({m: KVZIP_PRESS for m in KVZIP_LAYERWISE})
 #: presses whose score reads the full attention matrix (kvpress asks for eager attention)
 NEEDS_ATTENTIONS = tuple(m for m, p in PRESS_OF.items() if p == "ObservedAttentionPress")
@@ -188,7 +191,8 @@ def make_press(kvpress: Any, method: str, ratio: float, *, own_params: bool = Fa
     method = split_pair(method)[1]
     if press == KVZIP_PRESS:
         return kvpress.KVzipPress(compression_ratio=ratio, layerwise=KVZIP_LAYERWISE[method],
-                                  n_sink=DEFAULT_PARAMS["kvzip"]["n_sink"])
+                                  n_sink=DEFAULT_PARAMS["kvzip"]["n_sink"],
+                                  kvzip_plus_normalization=method.startswith("kvzip-plus"))
     base = _adaptive_base(method)
     if base is not None:
         return kvpress.AdaKVPress(press=make_press(kvpress, base, ratio, own_params=own_params))
