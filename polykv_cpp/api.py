@@ -750,8 +750,9 @@ class Context:
         """Append tokens to several sequences in one llama_decode call, at most n_batch tokens in all (a context
         created with ``n_seq_max`` > their ids); each sequence continues at its own next position. Returns, per
         sequence, the batch index of its last token, for `logits(i)`. With a plan every sequence has caches of its
-        own, each with the plan's budgets; a prompt takes ubatches of its own, while a call of one decode step per
-        sequence shares ubatches (`shared_ubatches`). The sequences in `partial` get no logits:
+        own, each with the plan's budgets; a prompt takes ubatches of its own, while decode steps (one token of a
+        sequence that is generating) share ubatches (`shared_ubatches`): all of a call, or those listed before its
+        prompts (llama-server's order). The sequences in `partial` get no logits:
         their tokens are a piece of a prompt that goes on in a later call (as a server feeds a slot's prompt
         under load)."""
         items = []
@@ -890,9 +891,10 @@ class Context:
 
     def shared_ubatches(self) -> tuple[int, int]:
         """(ubatches, tokens): the ubatches that held decode steps of several sequences since the context was
-        created (a batch of one token per sequence, as `decode_sequences` of generated tokens or llama-server's slots
-        send, shares ubatches of up to 16 sequences: the weights are read once, attention runs per sequence on its
-        own caches), and the tokens in them. (0, 0) with one sequence or without a plan."""
+        created (one token per sequence, as `decode_sequences` of generated tokens or llama-server's slots send,
+        also ahead of other sequences' prompts in the same batch, shares ubatches of up to 16 sequences: the weights
+        are read once, attention runs per sequence on its own caches), and the tokens in them. (0, 0) with one
+        sequence or without a plan."""
         n = ffi.new("int64_t[2]")
         if self._lib.llama_polykv_get_shared_ubatches(self.ptr, n, n + 1) != 0:
             return 0, 0

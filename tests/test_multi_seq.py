@@ -174,23 +174,66 @@ def test_decode_steps_of_many_sequences_share_ubatches(path, pattern, selection,
         np.testing.assert_allclose(g, w, atol=atol, rtol=0)
 
 
-def test_a_batch_with_a_prompt_does_not_share_ubatches(path, prompts):
-    # one sequence's prompt and two sequences' decode steps in one batch: every sequence takes ubatches of its own
-    # (as before shared ubatches), and each still keeps what it keeps alone
-    kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UB, flash_attn="off")
+def mixed_batches(path, plan, prompts, shared, steps_first=True):
+    """Sequences 0 and 1 prefilled, then two batches that mix their decode steps with pieces of sequence 2's prompt
+    (the steps first, as llama-server orders them, or after the prompt); then sequence 2's first decode step.
+    Returns the logits of every output, the kept sets per layer and KV head, and shared_ubatches()."""
+    old = os.environ.get("LLAMA_POLYKV_SHARED_UBATCH")
+    os.environ["LLAMA_POLYKV_SHARED_UBATCH"] = "1" if shared else "0"
+    kw = dict(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UB, flash_attn="off", type_k="f32", type_v="f32")
+    try:
+        with Model(path) as model:
+            model.set_plan(plan)
+            with model.context(n_seq_max=3, **kw) as ctx:
+                ctx.decode_sequences({0: prompts[0][:-4], 1: prompts[1][:-4]})
+                p2, half = prompts[2][:-4], len(prompts[2][:-4]) // 2
+                logits = []
+                for k, piece in enumerate((p2[:half], p2[half:])):
+                    steps = {0: [prompts[0][-4 + k]], 1: [prompts[1][-4 + k]]}
+                    batch = {**steps, 2: piece} if steps_first else {2: piece, **steps}
+                    out = ctx.decode_sequences(batch, partial=(2,) if k == 0 else ())
+                    logits += [ctx.logits(out[s]) for s in sorted(out)]
+                out = ctx.decode_sequences({2: [prompts[2][-4]]})
+                logits.append(ctx.logits(out[2]))
+                heads = [None] + list(range(CFG.n_head_kv))
+                return np.array(logits), [kept(ctx, s, heads) for s in range(3)], ctx.shared_ubatches()
+    finally:
+        if old is None:
+            os.environ.pop("LLAMA_POLYKV_SHARED_UBATCH")
+        else:
+            os.environ["LLAMA_POLYKV_SHARED_UBATCH"] = old
+
+
+@pytest.mark.parametrize("pattern,selection", [("snapkv", "layer"), ("h2o", "head")])
+def test_decode_steps_share_a_ubatch_beside_a_prompt(path, prompts, pattern, selection):
+    """A batch with one sequence's prompt and two sequences' decode steps, the steps first (llama-server's order):
+    the steps share one ubatch, the prompt takes ubatches of its own; kept sets equal those of a ubatch per
+    sequence, and of each sequence alone, and the logits agree (f32 cache)."""
+    plan = uniform_plan(CFG.n_layer, pattern, BUDGET, selection=selection)
+    got = mixed_batches(path, plan, prompts, shared=True)
+    want = mixed_batches(path, plan, prompts, shared=False)
+    assert got[2] == (2, 4) and want[2] == (0, 0)
+    assert got[1] == want[1]
+    np.testing.assert_allclose(got[0], want[0], atol=2e-5, rtol=0)
+    heads = [None] + list(range(CFG.n_head_kv))
     with Model(path) as model:
-        model.set_plan(uniform_plan(CFG.n_layer, "snapkv", BUDGET))
-        alone = []
-        for p in prompts:
-            with model.context(**kw) as ctx:
+        model.set_plan(plan)
+        for s, p in enumerate(prompts):
+            with model.context(n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_UB, flash_attn="off", type_k="f32",
+                               type_v="f32") as ctx:
                 ctx.decode(p[:-4])
-                ctx.decode([p[-4]])
-                alone.append(kept(ctx, 0, [None]))
-        with model.context(n_seq_max=3, **kw) as ctx:
-            ctx.decode_sequences({0: prompts[0][:-4], 1: prompts[1][:-4]})
-            ctx.decode_sequences({0: [prompts[0][-4]], 1: [prompts[1][-4]], 2: prompts[2][:-4]})
-            assert ctx.shared_ubatches() == (0, 0)
-            ctx.decode_sequences({2: [prompts[2][-4]]})
-            assert [kept(ctx, s, [None]) for s in range(3)] == alone
-            ctx.decode_sequences({s: [p[-3]] for s, p in enumerate(prompts)})
-            assert ctx.shared_ubatches() == (1, 3)
+                if s < 2:
+                    ctx.decode([p[-4]])
+                    ctx.decode([p[-3]])
+                else:
+                    ctx.decode([p[-4]])
+                assert kept(ctx, 0, heads) == got[1][s], s
+
+
+def test_decode_steps_after_a_prompt_take_ubatches_of_their_own(path, prompts):
+    """Decode steps that do not come first in a mixed batch are not shared (a ubatch per sequence, as before)."""
+    plan = uniform_plan(CFG.n_layer, "snapkv", BUDGET)
+    got = mixed_batches(path, plan, prompts, shared=True, steps_first=False)
+    first = mixed_batches(path, plan, prompts, shared=True)
+    assert got[2] == (0, 0)
+    assert got[1] == first[1]

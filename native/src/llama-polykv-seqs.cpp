@@ -6,6 +6,7 @@
 #include "llama-impl.h"
 #include "llama-batch.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -52,37 +53,44 @@ llama_memory_context_ptr llama_kv_cache_poly_seqs::init_batch(llama_batch_allocr
         feed[s] = seqs[s]->get_feed();
     }
 
-    // a batch of decode steps only (one token per sequence, each a decode step of its sequence): the sequences share
-    // ubatches, so the weights are read once per step, not once per sequence (attention still runs per sequence)
-    uint32_t n_seqs_batch = 0;
-    bool shared = shared_ubatches;
-    for (size_t s = 0; s < seqs.size() && shared; ++s) {
+    // decode steps (one token of a sequence, a decode step of it) share ubatches, so the weights are read once per step
+    // for all of them, not once per sequence (attention still runs per sequence): a batch of decode steps only, or
+    // decode steps that come first in a batch whose other tokens are prompts (llama-server adds its generating
+    // slots' tokens before the prompts of the others); the prompts then take ubatches of their own
+    int32_t n_steps = 0; // sequences whose only token is a decode step
+    std::vector<char> is_step(seqs.size(), 0);
+    for (size_t s = 0; s < seqs.size(); ++s) {
         if (idxs[s].empty()) {
             continue;
         }
-        n_seqs_batch += 1;
-        shared = idxs[s].size() == 1 && seqs[s]->shares_ubatch(batch.logits && batch.logits[idxs[s][0]], feed[s]);
+        is_step[s] = idxs[s].size() == 1 && seqs[s]->shares_ubatch(batch.logits && batch.logits[idxs[s][0]], feed[s]);
+        n_steps += is_step[s];
     }
-    if (shared && n_seqs_batch > 1) {
-        std::vector<llama_ubatch> ubatches;
-        std::vector<llama_kv_cache_poly *> ubatch_kv;
-        while (balloc.get_n_used() < balloc.get_n_tokens()) {
-            auto ubatch = balloc.split_simple(std::min<uint32_t>(n_ubatch, LLAMA_POLYKV_MAX_SHARED_SEQS));
+    // the decode steps are exactly the batch's first n_steps tokens (split_simple takes them from there)
+    bool steps_first = true;
+    for (size_t s = 0; s < seqs.size() && steps_first; ++s) {
+        steps_first = idxs[s].empty() || (is_step[s] ? idxs[s][0] < n_steps : idxs[s][0] >= n_steps);
+    }
+    const bool share = shared_ubatches && n_steps > 1 && steps_first;
+
+    std::vector<llama_ubatch> ubatches;
+    std::vector<llama_kv_cache_poly *> ubatch_kv;
+    if (share) {
+        uint32_t left = (uint32_t) n_steps;
+        while (left > 0) {
+            auto ubatch = balloc.split_simple(std::min<uint32_t>({ n_ubatch, (uint32_t) LLAMA_POLYKV_MAX_SHARED_SEQS, left }));
             if (ubatch.n_tokens == 0) {
-                break;
+                return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
+            }
+            left -= ubatch.n_tokens;
+            for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+                n_taken[ubatch.seq_id[i][0]] += 1;
             }
             // nullptr: a ubatch of several sequences (llama_kv_cache_poly_context::apply)
             ubatch_kv.push_back(ubatch.n_tokens == 1 ? get_seq(ubatch.seq_id[0][0]) : nullptr);
             ubatches.push_back(std::move(ubatch)); // NOLINT
         }
-        if (ubatches.empty() || balloc.get_n_used() < balloc.get_n_tokens()) {
-            return std::make_unique<llama_kv_cache_poly_context>(LLAMA_MEMORY_STATUS_FAILED_PREPARE);
-        }
-        return std::make_unique<llama_kv_cache_poly_context>(this, std::move(ubatch_kv), std::move(ubatches));
     }
-
-    std::vector<llama_ubatch> ubatches;
-    std::vector<llama_kv_cache_poly *> ubatch_kv;
     while (true) {
         int32_t next = -1;
         for (size_t s = 0; s < seqs.size(); ++s) {
