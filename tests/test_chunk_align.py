@@ -197,6 +197,23 @@ def test_pieces_check_finds_no_difference_on_an_fp32_model(path, tmp_path, capsy
                for line in lines)
 
 
+def test_pieces_check_last_sizes_reports_each_size(path, capsys):
+    """`pieces_check.py --last-sizes`: one line per size of the last piece; on the fp32 model with flash attention
+    off, stock llama.cpp's logits do not depend on where the prompt was cut."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("pieces_check", Path(__file__).parents[1] / "scripts" / "pieces_check.py")
+    pieces_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pieces_check)
+    assert pieces_check.main([str(path), "--last-sizes", "1-9", "--flash-attn", "off"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stock")]
+    assert [int(line.split("last piece of ")[1].split()[0]) for line in lines] == list(range(1, 10))
+    assert all(line.endswith("difference| 0.0000") for line in lines)
+    with pytest.raises(SystemExit):
+        pieces_check.main([str(path)])  # neither --plan nor --last-sizes
+
+
 @pytest.mark.parametrize("pattern,selection,slack", PLANS[:2])
 def test_a_state_saved_inside_a_chunk_goes_on_as_the_prompt_fed_at_once(path, prompt, pattern, selection, slack):
     """llama-server saves a slot (its context checkpoints, its prompt cache) wherever a batch ended: the state
