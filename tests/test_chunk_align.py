@@ -178,15 +178,20 @@ def test_a_prompts_last_token_alone_is_prompt_even_after_a_full_chunk(path, prom
         assert got[1] == got[2]
 
 
-def test_pieces_check_finds_no_difference_on_an_fp32_model(path, tmp_path, capsys):
-    """scripts/pieces_check.py (the real-model figures in docs/results.md) on the tiny fp32 model: every set of
-    pieces keeps what the prompt fed at once keeps."""
+def _load_pieces_check():
     import importlib.util
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location("pieces_check", Path(__file__).parents[1] / "scripts" / "pieces_check.py")
-    pieces_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pieces_check)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pieces_check_finds_no_difference_on_an_fp32_model(path, tmp_path, capsys):
+    """scripts/pieces_check.py (the real-model figures in docs/results.md) on the tiny fp32 model: every set of
+    pieces keeps what the prompt fed at once keeps."""
+    pieces_check = _load_pieces_check()
     plan = tmp_path / "plan.json"
     plan.write_text(uniform_plan(CFG.n_layer, "snapkv", 300).to_json())
     assert pieces_check.main([str(path), "--plan", str(plan), "--flash-attn", "off"]) == 0
@@ -200,12 +205,7 @@ def test_pieces_check_finds_no_difference_on_an_fp32_model(path, tmp_path, capsy
 def test_pieces_check_last_sizes_reports_each_size(path, capsys):
     """`pieces_check.py --last-sizes`: one line per size of the last piece; on the fp32 model with flash attention
     off, stock llama.cpp's logits do not depend on where the prompt was cut."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("pieces_check", Path(__file__).parents[1] / "scripts" / "pieces_check.py")
-    pieces_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pieces_check)
+    pieces_check = _load_pieces_check()
     assert pieces_check.main([str(path), "--last-sizes", "1-9", "--flash-attn", "off"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("stock")]
     assert [int(line.split("last piece of ")[1].split()[0]) for line in lines] == list(range(1, 10))
