@@ -69,14 +69,15 @@ def test_session_file_continues_in_another_process(tiny_gguf, tmp_path):
             ctx.load_state_file(session)
 
 
-def _completion(model, prompt_cache, env_plan, tmp_path, fresh=False):
+def _completion(model, prompt_cache, env_plan, tmp_path, fresh=False, refused=False):
     text = "the cat and the dog and the bird " * 30
     env = {"PATH": "/usr/bin:/bin", "LLAMA_POLYKV_PLAN": str(env_plan)}
     retry = (lambda: prompt_cache.unlink(missing_ok=True)) if fresh else None  # a rerun must not find the session
     return run_stock([str(bin_dir() / "llama-completion"), "-m", str(model), "-p", text, "-n", "12", "--temp", "0",
                       "-c", "1024", "-t", "1", "-ub", "64", "-no-cnv", "--no-display-prompt", "--no-warmup",
                       "--simple-io", "--prompt-cache", str(prompt_cache)], env=env, cwd=tmp_path,
-                     before_retry=retry)
+                     before_retry=retry, **({"done": lambda p: "failed to load session file" in p.stderr}
+                                            if refused else {}))
 
 
 def test_stock_prompt_cache_of_a_compressed_cache(tiny_gguf, tmp_path):
@@ -101,5 +102,5 @@ def test_stock_prompt_cache_of_a_compressed_cache(tiny_gguf, tmp_path):
 
     other = tmp_path / "other.json"
     other.write_text(uniform_plan(2, "snapkv", 96).to_json())
-    wrong = _completion(tiny_gguf, cache, other, tmp_path)
+    wrong = _completion(tiny_gguf, cache, other, tmp_path, refused=True)
     assert "failed to load session file" in wrong.stderr and "PolyKV: the saved state" in wrong.stderr
