@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Paired differences between methods of one `polykv-cpp eval` run, with bootstrap 95% intervals.
 
-For every method at the base method's budget: the difference of task-averaged scores (method - base) and the
-share of the base's gap to FullKV it recovers, each with the paired, task-stratified bootstrap interval of
+For every method at the base method's budget: the difference of task-averaged scores (method - base), the
+share of the base's gap to FullKV it recovers and its score as a share of FullKV's (the base's too, in a row of
+its own), each with the paired, task-stratified bootstrap interval of
 `polykv_cpp.evaluation.report.bootstrap_task_average` (the same draw of prompts for every method). A difference
 whose interval holds 0 is a tie.
 
@@ -120,10 +121,19 @@ def main(argv=None) -> int:
     bases = [m for m in reps if m.rpartition("@")[0] == args.base]
     if not bases:
         raise SystemExit(f"paired_diff: no results of {args.base!r} ({args.protocol})")
-    print(f"| method - {args.base} | budget | difference [95% CI] | gap recovered [95% CI] |")
-    print("|---|---:|---:|---:|")
+    def of_full(m: str) -> str:
+        if args.metric != "score":
+            return "-"
+        with np.errstate(divide="ignore", invalid="ignore"):
+            share = interval(reps[m] / full)
+        point = task_average(scores[m]) / task_average(scores[full_key])
+        return f"{100 * point:.0f}% [{100 * share[0]:.0f}%, {100 * share[1]:.0f}%]" if share else f"{100 * point:.0f}%"
+
+    print(f"| method - {args.base} | budget | difference [95% CI] | gap recovered [95% CI] | of FullKV [95% CI] |")
+    print("|---|---:|---:|---:|---:|")
     for base in bases:
         budget = base.rpartition("@")[2]
+        print(f"| {base.rpartition('@')[0]} (base) | {budget} | - | - | {of_full(base)} |")
         for m in sorted(reps):
             if m in (base, full_key) or (m.rpartition("@")[2] != budget and not args.any_budget):
                 continue
@@ -135,10 +145,10 @@ def main(argv=None) -> int:
             (d0, d1), (g0, g1) = interval(diff), interval(gap)
             print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {fmt.format(point / unit)} "
                   f"[{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | "
-                  f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] |")
+                  f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] | {of_full(m)} |")
         point = task_average(scores[full_key]) - task_average(scores[base])
         d0, d1 = interval(full - reps[base])
-        print(f"| {full_key} | {budget} | {fmt.format(point / unit)} [{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | 100% |")
+        print(f"| {full_key} | {budget} | {fmt.format(point / unit)} [{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | 100% | - |")
     return 0
 
 

@@ -860,6 +860,11 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     assert better.startswith("+33.3") and lo > 0
     assert rows["snapkv@23"].split("|")[2].strip() == "64"  # a method holding '@' (a pooling kernel) keeps its name
     assert rows["snapkv@23"].split("|")[3].strip().startswith("+66.7")
+    # the score as a share of FullKV's: the base answers 4 of 12 (33%), "better" 8 of 12 (67%)
+    assert rows["snapkv (base)"].split("|")[5].strip().startswith("33% [")
+    assert rows["better"].split("|")[5].strip().startswith("67% [")
+    lo, hi = (float(x.strip().rstrip("%]")) for x in rows["better"].split("|")[5].split("[")[1].split(","))
+    assert lo < 67 < hi
 
     # a run stopped early: "partial" answered samples 0-2 of each task only (all right). Every method is then
     # compared on those samples, where the base scores 1/3 and "better" 1: +66.7, not the mix of both sets
@@ -870,7 +875,7 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("(a method lacks some samples: every method is compared on the 6 samples")
     rows = {line.split("|")[1].strip(): line for line in out[3:]}
-    assert set(rows) == {"partial", "better", "fullkv"}  # FullKV - base closes the table
+    assert set(rows) == {"snapkv (base)", "partial", "better", "fullkv"}  # FullKV - base closes the table
     assert rows["better"].split("|")[3].strip().startswith("+66.7")
     assert rows["partial"].split("|")[3].strip().startswith("+66.7")
 
@@ -1033,8 +1038,10 @@ def test_paired_diff_compares_other_budgets_on_request(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps({"records": records}))
     assert mod.main([str(tmp_path / "r.json"), "--base", "plan"]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("plan-w", "128"), ("fullkv", "128")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("plan (base)", "128"), ("plan-w", "128"),
+                                                               ("fullkv", "128")]
     assert mod.main([str(tmp_path / "r.json"), "--base", "plan", "--only", "plan-w@160", "--any-budget"]) == 0
     rows = [line.split("|") for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("plan-w", "160"), ("fullkv", "128")]
-    assert rows[0][3].strip().startswith("+50.0")
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("plan (base)", "128"), ("plan-w", "160"),
+                                                               ("fullkv", "128")]
+    assert rows[1][3].strip().startswith("+50.0")
