@@ -75,7 +75,8 @@ def run_stock(cmd, *, done=lambda p: "graphs reused" in p.stderr, tries=8, befor
         proc = subprocess.run(cmd, **kwargs)
         if done(proc):
             return proc
-        if before_retry is not None:
-            before_retry()
-        time.sleep(0.5 * (attempt + 1))
+        if attempt + 1 < tries:
+            if before_retry is not None:
+                before_retry()
+            time.sleep(0.5 * (attempt + 1))
     return proc
