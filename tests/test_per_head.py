@@ -215,3 +215,36 @@ def test_runtime_search_and_eval_name_per_head_variants():
             plan_mod.split_selection(bad)
     scaled = plan_mod.pyramid_plan(24, 512, selection="head").scaled(256, full_charge=4096)
     assert all(lp.prefill.per_head for lp in scaled.layers)
+
+
+def compute_buffer_mib(model_path, plan, *, n_ctx: int, n_ubatch: int) -> float:
+    """The CPU compute buffer llama.cpp reserves for a context under `plan` (its own log line, in MiB)."""
+    from polykv_cpp import _native
+
+    with Model(model_path) as model:
+        model.set_plan(plan)
+        mark = _native.log_mark()
+        with model.context(n_ctx=n_ctx, n_batch=n_ubatch, n_ubatch=n_ubatch, flash_attn="on"):
+            lines = [text for seq, _, text in list(_native._log_lines) if seq > mark and "compute buffer size" in text]
+    assert lines, "llama.cpp logged no compute buffer size"
+    return sum(float(line.split("=")[1].split("MiB")[0]) for line in lines)
+
+
+def test_per_head_masks_are_inputs_of_one_slice_per_kv_head(tmp_path):
+    """A per-head layer's mask input holds one slice per KV head; the graph widens it to the query heads for its
+    layer only. With one input per query head (as before) every layer's widened mask lived for the whole graph:
+    the compute buffer grew by n_layer such masks; now by at most two (the widened mask of the layer being computed
+    and of the next)."""
+    from tiny_models import TinyConfig, write_tiny_gguf
+
+    cfg = TinyConfig(n_layer=8, n_embd=128, n_head=8, n_head_kv=2)
+    path = write_tiny_gguf(tmp_path / "heads8.gguf", cfg)
+    n_ctx, n_ubatch, budget = 1024, 512, 256
+    per_layer = compute_buffer_mib(path, plan_mod.uniform_plan(cfg.n_layer, "snapkv", budget), n_ctx=n_ctx,
+                                   n_ubatch=n_ubatch)
+    per_head = compute_buffer_mib(path, plan_mod.uniform_plan(cfg.n_layer, "snapkv", budget, selection="head"),
+                                  n_ctx=n_ctx, n_ubatch=n_ubatch)
+    n_kv = budget + n_ubatch  # a layer's cells: its budget plus one ubatch of room (a multiple of 256 here)
+    widened_mib = n_kv * n_ubatch * cfg.n_head * 2 / 2**20  # f16 (flash attention), one slice per query head
+    assert per_head - per_layer < 2.5 * widened_mib + cfg.n_layer * widened_mib * cfg.n_head_kv / cfg.n_head
+    assert per_head - per_layer < (cfg.n_layer - 1) * widened_mib  # what one input per query head cost

@@ -8,35 +8,29 @@
 #include <cmath>
 #include <cstring>
 
-void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const {
+void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const {
     const auto & grp = groups[g];
     GGML_ASSERT(grp.per_head && ggml_backend_buffer_is_host(dst->buffer));
     const int64_t n_kv = dst->ne[0];
     const int64_t n_tokens = dst->ne[1];
-    GGML_ASSERT(dst->ne[2] == (int64_t) n_head && n_head % grp.n_head_kv == 0 && n_tokens == (int64_t) ubatch->n_tokens);
-    const uint32_t rk = n_head / grp.n_head_kv;
+    GGML_ASSERT(dst->ne[2] == 1 && dst->ne[3] == (int64_t) grp.n_head_kv && n_tokens == (int64_t) ubatch->n_tokens);
     const uint32_t cap = grp.capacity;
     const uint32_t n_swa = grp.is_swa ? hparams.n_swa : 0;
     const bool f16 = dst->type == GGML_TYPE_F16;
     const ggml_fp16_t keep_f16 = ggml_fp32_to_fp16(0.0f);
     const ggml_fp16_t drop_f16 = ggml_fp32_to_fp16(-INFINITY);
-    const size_t row_bytes = n_kv * (f16 ? sizeof(ggml_fp16_t) : sizeof(float));
-    std::vector<uint8_t> row(row_bytes);
     for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
         for (int64_t i = 0; i < n_tokens; ++i) {
             const llama_pos p1 = ubatch->pos[i];
+            char * row = (char *) dst->data + i*dst->nb[1] + h*dst->nb[3];
             for (int64_t j = 0; j < n_kv; ++j) {
                 const llama_pos p0 = j < (int64_t) cap ? grp.hpos[h*cap + j] : -1;
                 const bool visible = p0 >= 0 && p0 <= p1 && (n_swa == 0 || p1 - p0 < (llama_pos) n_swa);
                 if (f16) {
-                    ((ggml_fp16_t *) row.data())[j] = visible ? keep_f16 : drop_f16;
+                    ((ggml_fp16_t *) row)[j] = visible ? keep_f16 : drop_f16;
                 } else {
-                    ((float *) row.data())[j] = visible ? 0.0f : -INFINITY;
+                    ((float *) row)[j] = visible ? 0.0f : -INFINITY;
                 }
-            }
-            // the query heads of KV head h (q = h*rk .. h*rk + rk - 1) share its row
-            for (uint32_t q = h*rk; q < (h + 1)*rk; ++q) {
-                memcpy((char *) dst->data + i*dst->nb[1] + q*dst->nb[2], row.data(), row_bytes);
             }
         }
     }
@@ -98,7 +92,7 @@ void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
             inp->mctx->set_input_v_idxs(inp->self_v_idxs, ubatch);
         }
         if (head_masks[g]->buffer) {
-            pctx->get_poly()->set_input_kq_mask_heads(g, head_masks[g], ubatch, n_head);
+            pctx->get_poly()->set_input_kq_mask_heads(g, head_masks[g], ubatch);
         }
         if (inp->self_k_rot && inp->self_k_rot->buffer) {
             inp->mctx->set_input_k_rot(inp->self_k_rot);
@@ -197,18 +191,29 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         auto ginp = std::make_unique<llm_graph_input_attn_kv>(hparams, cparams, gctx);
         ginp->self_k_idxs = gctx->build_input_k_idxs(ctx0, ubatch);
         ginp->self_v_idxs = gctx->build_input_v_idxs(ctx0, ubatch);
-        // flash attention wants an f16 mask; a per-head group has one mask per query head (ggml indexes the mask by
-        // query head, K and V by KV head)
+        // flash attention wants an f16 mask
         const auto & grp = pctx->get_poly()->get_group(g);
-        const int64_t n_mask_heads = grp.per_head ? hparams.n_head(grp.layers.front()) : 1;
-        ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32,
-                                                gctx->get_n_kv(), ubatch.n_tokens/n_stream, n_mask_heads, n_stream);
-        inp->head_masks.push_back(grp.per_head ? ginp->self_kq_mask : nullptr);
+        const ggml_type mask_type = cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32;
+        const int64_t n_kv = gctx->get_n_kv();
         if (grp.per_head) {
+            // one mask slice per KV head as the input ([n_kv, n_tokens, 1, n_head_kv]), widened in the graph to one
+            // per query head (ggml indexes the mask by query head, K and V by KV head): the input, which lives for the
+            // whole graph, is n_head/n_head_kv times smaller than the widened mask, which lives for its layer only
             GGML_ASSERT(n_stream == 1);
-            inp->n_head = (uint32_t) n_mask_heads;
+            const int64_t n_head = hparams.n_head(grp.layers.front());
+            GGML_ASSERT(n_head % grp.n_head_kv == 0);
+            ggml_tensor * mask_kv = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens, 1, grp.n_head_kv);
+            ggml_set_input(mask_kv);
+            ggml_set_name(mask_kv, "attn_inp_kq_mask_kv_heads");
+            inp->head_masks.push_back(mask_kv);
+            inp->n_head = (uint32_t) n_head;
+            ggml_tensor * mask = ggml_repeat_4d(ctx0, mask_kv, n_kv, ubatch.n_tokens, n_head/grp.n_head_kv, grp.n_head_kv);
+            ginp->self_kq_mask = ggml_reshape_4d(ctx0, mask, n_kv, ubatch.n_tokens, n_head, 1);
+        } else {
+            ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens/n_stream, 1, n_stream);
+            inp->head_masks.push_back(nullptr);
+            ggml_set_input(ginp->self_kq_mask);
         }
-        ggml_set_input(ginp->self_kq_mask);
         ggml_set_name(ginp->self_kq_mask, "attn_inp_kq_mask");
         ginp->self_kq_mask_cnv = ginp->self_kq_mask;
         ginp->self_k_rot = gctx->build_input_k_rot(ctx0);

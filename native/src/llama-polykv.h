@@ -270,8 +270,9 @@ public:
     // from the cache's state must be in it
     std::vector<int64_t> graph_key(bool record) const;
 
-    // per-head groups: the attention mask of a ubatch, [n_kv, n_tokens, n_head] (one slice per query head)
-    void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch, uint32_t n_head) const;
+    // per-head groups: the attention mask input of a ubatch, [n_kv, n_tokens, 1, n_head_kv] (one slice per KV head;
+    // the graph widens it to one per query head)
+    void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const;
 
     size_t group_bytes(uint32_t g) const;
 
@@ -588,7 +589,7 @@ public:
 
     const llama_kv_cache_poly_context * pctx;
 
-    // per-head groups fill their mask themselves ([n_kv, n_tokens, n_head]); nullptr for the others
+    // per-head groups fill their mask input themselves ([n_kv, n_tokens, 1, n_head_kv]); nullptr for the others
     std::vector<ggml_tensor *> head_masks;
 
     // Expected Attention (some group needs query statistics): minus the ubatch's positions (I32 [n_tokens]: a
