@@ -1,12 +1,11 @@
-// PolyKV: graph inputs (one index/mask input per cache group, per-query-head masks for per-head groups) and the
-// score branch of the attention-based patterns
+// PolyKV: graph inputs (one index/mask input per cache group; per-head groups: a mask input per KV head, widened to
+// the query heads in the graph) and the score branch of the attention-based patterns
 
 #include "llama-polykv.h"
 
 #include "llama-cparams.h"
 
 #include <cmath>
-#include <cstring>
 
 void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const {
     const auto & grp = groups[g];
