@@ -3,8 +3,8 @@
 The layer's n_head_kv x budget (head, token) pairs go to its best-scored pairs, each head keeping at least
 budget // 5: the native kept set of every KV head after the prompt and after each decode step equals
 `polykv_cpp.patterns.simulate_heads(..., adaptive=True)` on the attention transformers computes on the same weights
-(the tiny fp32 Qwen2 of test_polykv_native, 4 query heads over 2 KV heads), and the cache holds as many rows as the
-longest head may need.
+(the tiny fp32 Qwen2 of test_polykv_native, 4 query heads over 2 KV heads), flash attention on (the heads share the
+layer's slots) and off (rows for the longest head), and memory follows the kept pairs.
 """
 
 import numpy as np
@@ -13,7 +13,7 @@ import pytest
 from polykv_cpp import patterns
 from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
-from polykv_cpp.errors import PlanError
+from polykv_cpp.errors import NativeError, PlanError
 from polykv_cpp.patterns import adaptive_cap, adaptive_floor, pattern_from_phase_plan, select_adaptive, simulate_heads
 from conftest import padded
 from test_per_head import HEAD_PATTERNS, head_plan, run_heads
@@ -94,25 +94,43 @@ def test_adaptive_heads_really_get_different_budgets(hf_reference, pattern):
     assert min(min(s) for s in steps) >= adaptive_floor(B_DECODE)
 
 
-def test_adaptive_cache_holds_the_longest_head(twin, tokens):
-    """Memory: the layer's cache has rows for the longest head (adaptive_cap + one ubatch, padded to 32 cells on the
-    CPU, 256 on a GPU), heads keep the layer's total, and chunked prefill in ubatches of 32 stays within those rows."""
+@pytest.mark.parametrize("flash_attn", ["on", "off"])
+def test_adaptive_memory_follows_the_kept_pairs(twin, tokens, flash_attn):
+    """Memory. With flash attention (V not transposed) an adaptive layer's heads share its (cell, head) slots: the
+    cache has a per-head layer's cells (budget + one ubatch, padded to 32 cells on the CPU, 256 on a GPU) and its kept
+    pairs fill budget cells however unevenly the heads split them, so a head holds more tokens than the cells in use.
+    With flash attention off (V transposed, no view of the slots as one head) the cache has rows for the longest head
+    (adaptive_cap + one ubatch) and uses as many cells as the longest head holds."""
     _, path = twin
+    seen = {}
     with Model(path) as model:
-        stats = {}
         for sel in ("head", "adaptive"):
             model.set_plan(head_plan(1, "snapkv", selection=sel))
-            with model.context(n_ctx=256, n_batch=32, n_ubatch=32) as ctx:
+            with model.context(n_ctx=256, n_batch=32, n_ubatch=32, flash_attn=flash_attn) as ctx:
                 ctx.decode(tokens[:P])
-                sizes = [len(ctx.kept_positions(1, h)) for h in range(CFG.n_head_kv)]
-                stats[sel] = ({s.layer: s for s in ctx.kv_layer_stats()}[1], sizes)
-    head, adaptive = stats["head"][0], stats["adaptive"][0]
-    cap = adaptive_cap(B_PREFILL, CFG.n_head_kv)
-    # 20 + 32 and 36 + 32 cells, padded (to 64 and 96 on the CPU)
-    assert (head.capacity, adaptive.capacity) == (padded(20 + 32, head.cell_pad), padded(36 + 32, head.cell_pad))
-    assert adaptive.bytes / head.bytes == pytest.approx(adaptive.capacity / head.capacity)
-    assert sum(stats["adaptive"][1]) == CFG.n_head_kv * B_PREFILL
-    assert max(stats["adaptive"][1]) <= cap
+                steps = []
+                for t in [None] + list(tokens[P:]):
+                    if t is not None:
+                        ctx.decode([t])
+                    sizes = [len(ctx.kept_positions(1, h)) for h in range(CFG.n_head_kv)]
+                    steps.append((sizes, {s.layer: s for s in ctx.kv_layer_stats()}[1]))
+                seen[sel] = steps
+    head = seen["head"][0][1]
+    budgets = [B_PREFILL] + [B_DECODE] * (len(seen["adaptive"]) - 1)
+    uneven = 0
+    for (sizes, st), b in zip(seen["adaptive"], budgets):
+        assert sum(sizes) == CFG.n_head_kv * b
+        assert max(sizes) <= adaptive_cap(b, CFG.n_head_kv)
+        if flash_attn == "on":
+            assert st.used == -(-sum(sizes) // CFG.n_head_kv)          # the pairs packed into whole cells
+            assert (st.capacity, st.bytes) == (head.capacity, head.bytes)
+        else:
+            assert st.used == max(sizes)
+            assert st.capacity == padded(adaptive_cap(B_PREFILL, CFG.n_head_kv) + 32, head.cell_pad)
+            assert st.bytes / head.bytes == pytest.approx(st.capacity / head.capacity)
+        uneven += max(sizes) > b
+    assert uneven > 0, "the heads never split unevenly: the memory check would not test anything"
+    assert head.capacity == padded(B_PREFILL + 32, head.cell_pad)
 
 
 def test_adaptive_plans_parse_in_both_parsers_and_name_adakv(twin):
@@ -152,7 +170,7 @@ def test_adaptive_state_roundtrip(twin, tokens):
     _, path = twin
     with Model(path) as model:
         model.set_plan(head_plan(1, "snapkv", selection="adaptive"))
-        with model.context(n_ctx=256) as ctx:
+        with model.context(n_ctx=256, flash_attn="on") as ctx:
             ctx.decode(tokens[:P])
             ctx.decode(tokens[P:P + 1])
             state = ctx.state_bytes()
@@ -167,3 +185,9 @@ def test_adaptive_state_roundtrip(twin, tokens):
             after_b = ([ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)], ctx.logits())
     assert after_a[0] == after_b[0]
     np.testing.assert_allclose(after_a[1], after_b[1], atol=1e-3)
+    # the heads shared the layer's slots (flash attention on): a context without pooled slots refuses the state
+    with Model(path) as model:
+        model.set_plan(head_plan(1, "snapkv", selection="adaptive"))
+        with model.context(n_ctx=256, flash_attn="off") as ctx:
+            with pytest.raises(NativeError):
+                ctx.load_state_bytes(state)

@@ -56,6 +56,19 @@ def test_graph_moves_equal_host_copies(monkeypatch, twin, tokens, pattern, type_
     np.testing.assert_array_equal(logits_g, logits_h)
 
 
+@pytest.mark.parametrize("prefill", ["chunked", "exact"])
+def test_pooled_adaptive_moves_across_head_slots_equal_host_copies(monkeypatch, twin, tokens, prefill):
+    """An adaptive layer (flash attention on) moves a head's token into another head's slot: the graph's rows
+    (cell x n_head_kv + slot) match the host copies."""
+    _, path = twin
+    plan = head_plan(1, "snapkv", selection="adaptive")
+    (kept_g, logits_g, n_g), (kept_h, logits_h, n_h) = run_both(monkeypatch, path, plan, tokens, 1, prefill=prefill)
+    assert n_g > 0 and n_h == 0
+    assert kept_g[1:] == kept_h[1:]
+    assert any(len(set(map(len, heads))) > 1 for heads in kept_g[1:])  # the heads held different numbers of tokens
+    np.testing.assert_array_equal(logits_g, logits_h)
+
+
 def test_exact_prefill_moves_many_rows_at_once(monkeypatch, twin, tokens):
     """Exact prefill compresses the whole prompt once: hundreds of rows move in one graph."""
     _, path = twin

@@ -76,13 +76,13 @@ def reference(hf_ref, recon, plan, layer):
     pp = plan.layers[layer]
     kw = dict(prefill=pattern_from_phase_plan(pp.prefill), prefill_budget=B_PREFILL,
               decode=pattern_from_phase_plan(pp.decode), decode_budget=B_DECODE, keys=keys, recon_attn=recon[layer])
-    if pp.prefill.selection == "head":
-        return simulate_heads(logp, P, CFG.n_head_kv, **kw)
+    if pp.prefill.selection in ("head", "adaptive"):
+        return simulate_heads(logp, P, CFG.n_head_kv, adaptive=pp.prefill.selection == "adaptive", **kw)
     return [simulate(logp, P, **kw)] * CFG.n_head_kv
 
 
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
-@pytest.mark.parametrize("selection", ["layer", "head"])
+@pytest.mark.parametrize("selection", ["layer", "head", "adaptive"])
 @pytest.mark.parametrize("layer", [0, 1])
 def test_kvzip_kept_positions_equal_reference(twin, tokens, hf_reference, recon_attn, layer, selection, flash_attn):
     _, path = twin

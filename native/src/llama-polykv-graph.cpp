@@ -10,26 +10,54 @@
 void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const {
     const auto & grp = groups[g];
     GGML_ASSERT(grp.per_head && ggml_backend_buffer_is_host(dst->buffer));
-    const int64_t n_kv = dst->ne[0];
+    const uint32_t nh = grp.n_head_kv;
+    // pooled: one slice over the slots (j = c*n_head_kv + s), which set_input_owner_mask splits by owner
+    const int64_t n_cols = dst->ne[0];
     const int64_t n_tokens = dst->ne[1];
-    GGML_ASSERT(dst->ne[2] == 1 && dst->ne[3] == (int64_t) grp.n_head_kv && n_tokens == (int64_t) ubatch->n_tokens);
+    const uint32_t n_slices = grp.pooled ? 1 : nh;
+    GGML_ASSERT(dst->ne[2] == 1 && dst->ne[3] == (int64_t) n_slices && n_tokens == (int64_t) ubatch->n_tokens);
     const uint32_t cap = grp.capacity;
     const uint32_t n_swa = grp.is_swa ? hparams.n_swa : 0;
     const bool f16 = dst->type == GGML_TYPE_F16;
     const ggml_fp16_t keep_f16 = ggml_fp32_to_fp16(0.0f);
     const ggml_fp16_t drop_f16 = ggml_fp32_to_fp16(-INFINITY);
-    for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
+    for (uint32_t h = 0; h < n_slices; ++h) {
         for (int64_t i = 0; i < n_tokens; ++i) {
             const llama_pos p1 = ubatch->pos[i];
             char * row = (char *) dst->data + i*dst->nb[1] + h*dst->nb[3];
-            for (int64_t j = 0; j < n_kv; ++j) {
-                const llama_pos p0 = j < (int64_t) cap ? grp.hpos[h*cap + j] : -1;
+            for (int64_t j = 0; j < n_cols; ++j) {
+                const int64_t c = grp.pooled ? j / nh : j;
+                const int64_t u = grp.pooled ? (j % nh)*cap + c : (int64_t) h*cap + c;
+                const llama_pos p0 = c < (int64_t) cap ? grp.hpos[u] : -1;
                 const bool visible = p0 >= 0 && p0 <= p1 && (n_swa == 0 || p1 - p0 < (llama_pos) n_swa);
                 if (f16) {
                     ((ggml_fp16_t *) row)[j] = visible ? keep_f16 : drop_f16;
                 } else {
                     ((float *) row)[j] = visible ? 0.0f : -INFINITY;
                 }
+            }
+        }
+    }
+}
+
+void llama_kv_cache_poly::set_input_owner_mask(uint32_t g, ggml_tensor * dst) const {
+    const auto & grp = groups[g];
+    const uint32_t nh = grp.n_head_kv;
+    GGML_ASSERT(grp.pooled && ggml_backend_buffer_is_host(dst->buffer));
+    GGML_ASSERT(dst->ne[1] == 1 && dst->ne[2] == 1 && dst->ne[3] == (int64_t) nh && dst->ne[0] % nh == 0);
+    const int64_t n_cols = dst->ne[0];
+    const uint32_t cap = grp.capacity;
+    const bool f16 = dst->type == GGML_TYPE_F16;
+    for (uint32_t h = 0; h < nh; ++h) {
+        char * row = (char *) dst->data + h*dst->nb[3];
+        for (int64_t j = 0; j < n_cols; ++j) {
+            const int64_t c = j / nh;
+            const size_t u = (j % nh)*cap + c;
+            const bool own = c < (int64_t) cap && grp.hpos[u] >= 0 && grp.howner[u] == h;
+            if (f16) {
+                ((ggml_fp16_t *) row)[j] = ggml_fp32_to_fp16(own ? 0.0f : -INFINITY);
+            } else {
+                ((float *) row)[j] = own ? 0.0f : -INFINITY;
             }
         }
     }
@@ -93,6 +121,9 @@ void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
         if (head_masks[g]->buffer) {
             pctx->get_poly()->set_input_kq_mask_heads(g, head_masks[g], ubatch);
         }
+        if (owner_masks[g] && owner_masks[g]->buffer) {
+            pctx->get_poly()->set_input_owner_mask(g, owner_masks[g]);
+        }
         if (inp->self_k_rot && inp->self_k_rot->buffer) {
             inp->mctx->set_input_k_rot(inp->self_k_rot);
         }
@@ -133,8 +164,9 @@ bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
         auto & inp = groups[g];
         inp->mctx = pnew->get_group(g);
         const ggml_tensor * mask = inp->self_kq_mask;
+        const int64_t n_cols = (int64_t) inp->mctx->get_n_kv() * (owner_masks[g] ? owner_masks[g]->ne[3] : 1);
         res &= inp->self_k_idxs->ne[0] == n_tokens;
-        res &= mask->ne[0] == (int64_t) inp->mctx->get_n_kv() && mask->ne[1] == n_tokens && mask->ne[3] == 1;
+        res &= mask->ne[0] == n_cols && mask->ne[1] == n_tokens && mask->ne[3] == 1;
         res &= mask->ne[2] == (head_masks[g] ? (int64_t) n_head : 1);
     }
     return res;
@@ -194,7 +226,25 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const auto & grp = pctx->get_poly()->get_group(g);
         const ggml_type mask_type = cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32;
         const int64_t n_kv = gctx->get_n_kv();
-        if (grp.per_head) {
+        if (grp.pooled) {
+            // the slots as one KV head (llama_polykv_view_kv): a slot is seen by KV head h's queries if its position
+            // is (the input, one slice) and h owns it (a small second input), the sum widened to the query heads
+            // in the graph as below
+            const int64_t n_head = hparams.n_head(grp.layers.front());
+            const int64_t nh = grp.n_head_kv;
+            GGML_ASSERT(n_head % nh == 0);
+            ggml_tensor * mask_pos = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, ubatch.n_tokens, 1, 1);
+            ggml_set_input(mask_pos);
+            ggml_set_name(mask_pos, "attn_inp_kq_mask_slots");
+            ggml_tensor * mask_own = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, 1, 1, nh);
+            ggml_set_input(mask_own);
+            ggml_set_name(mask_own, "attn_inp_kq_mask_owners");
+            inp->head_masks.push_back(mask_pos);
+            inp->owner_masks.push_back(mask_own);
+            inp->n_head = (uint32_t) n_head;
+            ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask_pos, n_kv*nh, ubatch.n_tokens, n_head/nh, nh), mask_own);
+            ginp->self_kq_mask = ggml_reshape_4d(ctx0, mask, n_kv*nh, ubatch.n_tokens, n_head, 1);
+        } else if (grp.per_head) {
             // one mask slice per KV head as the input ([n_kv, n_tokens, 1, n_head_kv]), widened in the graph to one
             // per query head (ggml indexes the mask by query head, K and V by KV head): the input, which lives for the
             // whole graph, is n_head/n_head_kv times smaller than the widened mask, which lives for its layer only
@@ -205,12 +255,14 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
             ggml_set_input(mask_kv);
             ggml_set_name(mask_kv, "attn_inp_kq_mask_kv_heads");
             inp->head_masks.push_back(mask_kv);
+            inp->owner_masks.push_back(nullptr);
             inp->n_head = (uint32_t) n_head;
             ggml_tensor * mask = ggml_repeat_4d(ctx0, mask_kv, n_kv, ubatch.n_tokens, n_head/grp.n_head_kv, grp.n_head_kv);
             ginp->self_kq_mask = ggml_reshape_4d(ctx0, mask, n_kv, ubatch.n_tokens, n_head, 1);
         } else {
             ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens/n_stream, 1, n_stream);
             inp->head_masks.push_back(nullptr);
+            inp->owner_masks.push_back(nullptr);
             ggml_set_input(ginp->self_kq_mask);
         }
         ggml_set_name(ginp->self_kq_mask, "attn_inp_kq_mask");
@@ -226,6 +278,25 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         }
     }
     return inp;
+}
+
+void llama_polykv_view_kv(
+        ggml_context * ctx0,
+        const llm_graph_input_attn_kv_poly * inp,
+             int32_t   il,
+         ggml_tensor * & k,
+         ggml_tensor * & v) {
+    const auto * poly = inp->pctx->get_poly();
+    const auto & grp = poly->get_group(poly->group_of(il));
+    if (!grp.pooled) {
+        return;
+    }
+    // k, v: [d, n_head_kv, n_kv] views of rows of n_head_kv heads; the slot (c, s) is row c*n_head_kv + s of d values
+    GGML_ASSERT(k->ne[1] == (int64_t) grp.n_head_kv && v->ne[1] == (int64_t) grp.n_head_kv && k->ne[3] == 1);
+    GGML_ASSERT(k->nb[2] == k->ne[1]*k->nb[1] && v->nb[2] == v->ne[1]*v->nb[1]); // rows without gaps, V not transposed
+    const int64_t n_slots = k->ne[1] * k->ne[2];
+    k = ggml_view_3d(ctx0, k, k->ne[0], 1, n_slots, k->nb[1], k->nb[1], 0);
+    v = ggml_view_3d(ctx0, v, v->ne[0], 1, n_slots, v->nb[1], v->nb[1], 0);
 }
 
 ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n) {
@@ -301,6 +372,10 @@ void llama_polykv_build_scores(
     n_rows = std::min(n_rows, n_tokens);
 
     const int64_t n_head = q->ne[1];
+    // a pooled group's k is its slots as one KV head: a slot's probabilities come from its owner's query heads only
+    // (the mask hides it from the others), so its KV head's sum is the sum over every query head
+    GGML_ASSERT(!grp.pooled || !grp.layer_scores());
+    const int64_t rk_sum = grp.pooled ? n_head : n_head / grp.n_head_kv;
     ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
     qs = ggml_permute(ctx0, qs, 0, 2, 1, 3);                                   // [d, n_rows, n_head]
     ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]
@@ -320,9 +395,9 @@ void llama_polykv_build_scores(
         ggml_tensor * pr = ggml_pool_2d(ctx0, p, GGML_OP_POOL_MAX, 1, (int) n_rows, 1, (int) n_rows, 0, 0); // [n_kv, 1, n_head]
         pr = ggml_cont(ctx0, ggml_permute(ctx0, ggml_reshape_2d(ctx0, pr, n_kv, n_head), 1, 0, 2, 3));  // [n_head, n_kv]
         if (grp.head_scores()) {
-            const int rk = (int) (n_head / grp.n_head_kv);
-            ggml_tensor * ph = ggml_pool_1d(ctx0, pr, GGML_OP_POOL_MAX, rk, rk, 0);  // [n_head_kv, n_kv]
-            ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, 1);
+            const int rk = (int) rk_sum;
+            ggml_tensor * ph = ggml_pool_1d(ctx0, pr, GGML_OP_POOL_MAX, rk, rk, 0);  // [n_head_kv, n_kv] (pooled: [1, n_kv])
+            ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, ggml_nelements(ph) / grp.n_head_kv, 1);
             ggml_set_output(ph);
             ggml_build_forward_expand(gf, ph);
             grp.t_rows_heads = outs.rows_heads = ph;
@@ -341,9 +416,9 @@ void llama_polykv_build_scores(
     if (grp.head_scores()) {
         // query head q reads KV head q / (n_head / n_head_kv): average each KV head's query heads
         const int64_t rk = n_head / grp.n_head_kv;
-        ggml_tensor * ph = ggml_reshape_2d(ctx0, p, rk, grp.n_head_kv * n_kv * n_rows);
-        ph = ggml_sum_rows(ctx0, ph);                                           // [1, n_head_kv*n_kv*n_rows]
-        ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, n_kv, n_rows);           // [n_head_kv, n_kv, n_rows]
+        ggml_tensor * ph = ggml_reshape_2d(ctx0, p, rk_sum, n_head * n_kv * n_rows / rk_sum);
+        ph = ggml_sum_rows(ctx0, ph);                                           // [1, n_head_kv*n_cells*n_rows]
+        ph = ggml_reshape_3d(ctx0, ph, grp.n_head_kv, ggml_nelements(ph) / (grp.n_head_kv * n_rows), n_rows); // [n_head_kv, n_cells, n_rows]
         ph = ggml_scale(ctx0, ph, 1.0f/rk);
         ggml_set_output(ph);
         ggml_build_forward_expand(gf, ph);

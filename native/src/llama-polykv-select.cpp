@@ -61,6 +61,9 @@ void llama_kv_cache_poly::on_placed(uint32_t g, const std::vector<uint32_t> & ce
         for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
             for (size_t i = 0; i < cells.size(); ++i) {
                 grp.hpos[(size_t) h*grp.capacity + cells[i]] = ubatch.pos[i];
+                if (grp.pooled) {
+                    grp.howner[(size_t) h*grp.capacity + cells[i]] = (uint8_t) h;
+                }
             }
         }
     }
@@ -329,7 +332,8 @@ static std::vector<double> max_pool(const std::vector<double> & x, int32_t kerne
 }
 
 // the score each token of one set ranks by under pattern pp, before sinks and windows are protected; items are
-// (pos, cell) sorted by position, off the state offset of the set (head_off(h) for head h, 0 for a layer)
+// (pos, cell) sorted by position, off the state offset of the set (0 for a layer), or for a per-head set (pos,
+// slot) with off head_off(0)
 static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp, const llama_polykv_phase_plan & pp,
                                           const std::vector<std::pair<llama_pos, uint32_t>> & items, size_t off) {
     const int32_t n = items.size();
@@ -353,24 +357,23 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
         case LLAMA_POLYKV_SNAPKV:
         case LLAMA_POLYKV_PYRAMIDKV:
             {
-                // the window's sum per cell over the set's whole slot (contiguous rows, oldest first, as before),
-                // then read off for the set's cells
+                // the window's sum per token, its rows added oldest first
                 const size_t w = std::min<size_t>(grp.ring.size(), pp.obs_window);
-                std::vector<double> raw(n);
-                if (grp.win_ok && w == grp.ring.size() && grp.win_sum.size() >= off + grp.capacity) {
+                size_t span = 0;
+                for (const auto & it : items) {
+                    span = std::max<size_t>(span, it.second + 1);
+                }
+                std::vector<double> raw(n, 0.0);
+                if (grp.win_ok && w == grp.ring.size() && grp.win_sum.size() >= off + span) {
                     for (int32_t i = 0; i < n; ++i) {
                         raw[i] = grp.win_sum[off + items[i].second];
                     }
                 } else {
-                    std::vector<double> sum(grp.capacity, 0.0);
                     for (size_t r = grp.ring.size() - w; r < grp.ring.size(); ++r) {
                         const float * row = grp.ring[r].data() + off;
-                        for (uint32_t c = 0; c < grp.capacity; ++c) {
-                            sum[c] += row[c];
+                        for (int32_t i = 0; i < n; ++i) {
+                            raw[i] += row[items[i].second];
                         }
-                    }
-                    for (int32_t i = 0; i < n; ++i) {
-                        raw[i] = sum[items[i].second];
                     }
                 }
                 sc = max_pool(raw, pp.pool_kernel);
@@ -477,7 +480,7 @@ static std::vector<std::vector<uint32_t>> select_drop_adaptive(const llama_kv_ca
     std::vector<int32_t> count(nh, 0);
     for (int32_t h = 0; h < nh; ++h) {
         const int32_t n = items[h].size();
-        sc[h] = ranked_scores(grp, pp, items[h], grp.head_off((uint32_t) h));
+        sc[h] = ranked_scores(grp, pp, items[h], grp.head_off(0));
         keep[h].assign(n, 0);
         const std::vector<int32_t> order = lowest(sc[h], n);
         count[h] = std::min(floor, n);
@@ -567,7 +570,7 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
             cap[k] = (int64_t) streaming_phase(pp).budget * grp.n_head_kv;
         }
         for (uint32_t s = 0; s < (grp.per_head ? grp.n_head_kv : 1); ++s) {
-            const std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(s) : 0);
+            const std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(0) : 0);
             const int32_t n = (int32_t) sc.size();
             const int32_t f = std::min(plan.b_min, n);
             const std::vector<int32_t> order = lowest(sc, n);
@@ -612,11 +615,17 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
 
 std::vector<std::pair<llama_pos, uint32_t>> llama_kv_cache_poly::set_items(const group & grp, uint32_t h) const {
     std::vector<std::pair<llama_pos, uint32_t>> items;
-    if (grp.per_head) {
+    if (grp.pooled) {
+        for (size_t u = 0; u < grp.hpos.size(); ++u) {
+            if (grp.hpos[u] >= 0 && grp.howner[u] == h) {
+                items.emplace_back(grp.hpos[u], (uint32_t) u);
+            }
+        }
+    } else if (grp.per_head) {
         for (uint32_t c = 0; c < grp.capacity; ++c) {
-            const llama_pos p = grp.hpos[(size_t) h*grp.capacity + c];
-            if (p >= 0) {
-                items.emplace_back(p, c);
+            const size_t u = (size_t) h*grp.capacity + c;
+            if (grp.hpos[u] >= 0) {
+                items.emplace_back(grp.hpos[u], (uint32_t) u);
             }
         }
     } else {
@@ -662,7 +671,6 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
         score_expected_attention(grp);
     }
     if (grp.per_head) {
-        const size_t cap = grp.capacity;
         // sliding window: what the next query cannot see any more leaves every head first (as below)
         llama_pos p_out = -1;
         if (grp.is_swa) {
@@ -686,13 +694,13 @@ void llama_kv_cache_poly::evict(group & grp, const llama_polykv_phase_plan & pp)
             drop = select_drop_adaptive(grp, pp, items);
         } else {
             for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-                drop.push_back(select_drop(grp, pp, items[h], grp.head_off(h)));
+                drop.push_back(select_drop(grp, pp, items[h], grp.head_off(0)));
             }
         }
         uint64_t n_drop = 0;
         for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-            for (uint32_t c : drop[h]) {
-                grp.hpos[h*cap + c] = -1;
+            for (uint32_t u : drop[h]) {
+                grp.hpos[u] = -1;
                 ++n_drop;
             }
         }
@@ -856,12 +864,21 @@ void llama_kv_cache_poly::score_expected_attention(group & grp) {
 
     const auto & cells = grp.kv->get_cells(0);
     for (int32_t g = 0; g < nkv; ++g) {
-        // the tokens KV head g holds beyond the sinks (its own set per head, else the layer's)
+        // the tokens KV head g holds beyond the sinks (its own set per head, else the layer's): as slots
+        // u = s*cap + c, the key and value of cell c's head slot s (a pooled group's head g may hold any slot)
         std::vector<uint32_t> set;
-        for (uint32_t c = 0; c < cap; ++c) {
-            const llama_pos p = grp.per_head ? grp.hpos[(size_t) g*cap + c] : (cells.is_empty(c) ? -1 : cells.pos_get(c));
-            if (p >= n_sink) {
-                set.push_back(c);
+        if (grp.per_head) {
+            for (const auto & it : set_items(grp, (uint32_t) g)) {
+                if (it.first >= n_sink) {
+                    set.push_back(it.second);
+                }
+            }
+            std::sort(set.begin(), set.end()); // slot order (the softmax's sums in a fixed order)
+        } else {
+            for (uint32_t c = 0; c < cap; ++c) {
+                if (!cells.is_empty(c) && cells.pos_get(c) >= n_sink) {
+                    set.push_back((uint32_t) g*cap + c);
+                }
             }
         }
         if (set.empty()) {
@@ -873,7 +890,7 @@ void llama_kv_cache_poly::score_expected_attention(group & grp) {
             const float * Mq = &M[(size_t) q*d*d];
             double lmax = -INFINITY;
             for (size_t j = 0; j < set.size(); ++j) {
-                const float * k = &kf[(size_t) set[j]*n_embd_k + (size_t) g*d];
+                const float * k = &kf[(size_t) (set[j] % cap)*n_embd_k + (size_t) (set[j] / cap)*d];
                 float lin = 0.0f, quad = 0.0f;
                 for (int32_t a = 0; a < d; ++a) {
                     const float * row = Mq + (size_t) a*d;
@@ -897,15 +914,16 @@ void llama_kv_cache_poly::score_expected_attention(group & grp) {
             }
         }
         for (size_t j = 0; j < set.size(); ++j) {
-            const uint32_t c = set[j];
+            const uint32_t c = set[j] % cap;
+            const uint32_t s = set[j] / cap;
             double vn = 0.0;
             for (int32_t i = 0; i < dv; ++i) {
-                const float v = v_trans ? vf[((size_t) g*dv + i)*cap + c] : vf[(size_t) c*n_embd_v + (size_t) g*dv + i];
+                const float v = v_trans ? vf[((size_t) s*dv + i)*cap + c] : vf[(size_t) c*n_embd_v + (size_t) s*dv + i];
                 vn += (double) v * v;
             }
             const double score = prob[j] * std::sqrt(vn); // kvpress: (scores + epsilon) * ||v||, epsilon 0
             if (grp.head_scores()) {
-                grp.ea[grp.head_off((uint32_t) g) + c] = (float) score;
+                grp.ea[grp.head_off(0) + set[j]] = (float) score;
             }
             if (grp.layer_scores()) {
                 grp.ea[c] += (float) (score / nkv); // one set per layer: the mean over its KV heads
@@ -952,8 +970,8 @@ bool llama_kv_cache_poly::repack_on_device(const group & grp, const std::vector<
     const int64_t n_rows = (int64_t) grp.n_head_kv * grp.capacity; // a cell row holds its heads side by side
     std::vector<int32_t> idx(2 * n); // the source rows, then the destination rows: one upload
     for (int64_t i = 0; i < n; ++i) {
-        idx[i]     = (int32_t) (moves[i].src * grp.n_head_kv + moves[i].h);
-        idx[n + i] = (int32_t) (moves[i].dst * grp.n_head_kv + moves[i].h);
+        idx[i]     = (int32_t) (moves[i].src * grp.n_head_kv + moves[i].src_slot);
+        idx[n + i] = (int32_t) (moves[i].dst * grp.n_head_kv + moves[i].dst_slot);
     }
 
     // a backend of its device and an allocator for each buffer type holding these caches (layers offloaded to
@@ -1020,88 +1038,107 @@ void llama_kv_cache_poly::repack(group & grp) {
     const uint32_t cap = grp.capacity;
     const uint32_t nh  = grp.n_head_kv;
 
-    uint32_t n_rows = 0; // cells the largest head needs
+    // the cells in use after the repack: the largest head's count, or in a pooled group the kept slots over n_head_kv
+    uint32_t n_rows = 0;
     std::vector<uint32_t> count(nh, 0);
-    for (uint32_t h = 0; h < nh; ++h) {
-        for (uint32_t c = 0; c < cap; ++c) {
-            count[h] += grp.hpos[h*cap + c] >= 0;
+    uint32_t n_all = 0;
+    for (size_t u = 0; u < grp.hpos.size(); ++u) {
+        if (grp.hpos[u] >= 0) {
+            count[grp.owner_of(u)] += 1;
+            n_all += 1;
         }
+    }
+    for (uint32_t h = 0; h < nh; ++h) {
         n_rows = std::max(n_rows, count[h]);
     }
+    if (grp.pooled) {
+        n_rows = (n_all + nh - 1) / nh;
+    }
 
-    // each head fills its holes below n_rows with its tokens from above n_rows
+    // each head fills its holes below n_rows with its tokens from above n_rows; a pooled group fills any free slot
+    // below n_rows with any kept slot above it (the slot's owner goes with it)
     std::vector<repack_move> moves;
     uint32_t hi = 0;
-    for (uint32_t h = 0; h < nh; ++h) {
-        uint32_t dst = 0;
-        for (uint32_t src = n_rows; src < cap; ++src) {
-            if (grp.hpos[h*cap + src] < 0) {
-                continue;
+    if (grp.pooled) {
+        std::vector<std::pair<uint32_t, uint32_t>> holes; // (slot, cell)
+        for (uint32_t c = 0; c < n_rows; ++c) {
+            for (uint32_t s = 0; s < nh; ++s) {
+                if (grp.hpos[(size_t) s*cap + c] < 0) {
+                    holes.emplace_back(s, c);
+                }
             }
-            while (grp.hpos[h*cap + dst] >= 0) {
+        }
+        size_t k = 0;
+        for (uint32_t src = n_rows; src < cap; ++src) {
+            for (uint32_t s = 0; s < nh; ++s) {
+                if (grp.hpos[(size_t) s*cap + src] < 0) {
+                    continue;
+                }
+                GGML_ASSERT(k < holes.size());
+                moves.push_back({ s, src, holes[k].first, holes[k].second });
+                hi = std::max(hi, src + 1);
+                ++k;
+            }
+        }
+    } else {
+        for (uint32_t h = 0; h < nh; ++h) {
+            uint32_t dst = 0;
+            for (uint32_t src = n_rows; src < cap; ++src) {
+                if (grp.hpos[h*cap + src] < 0) {
+                    continue;
+                }
+                while (grp.hpos[h*cap + dst] >= 0) {
+                    ++dst;
+                }
+                GGML_ASSERT(dst < n_rows);
+                moves.push_back({ h, src, h, dst });
+                hi = std::max(hi, src + 1);
                 ++dst;
             }
-            GGML_ASSERT(dst < n_rows);
-            moves.push_back({ h, src, dst });
-            hi = std::max(hi, src + 1);
-            ++dst;
         }
     }
 
     if (!moves.empty()) {
         if (!repack_on_device(grp, moves)) {
             for (int32_t il : grp.layers) {
-                // K (and V without v_trans): one row per cell, head h at h*head_bytes within it
+                // K (and V without v_trans): one row per cell, head slot s at s*head_bytes within it
                 ggml_tensor * k = grp.kv->get_k_storage(il);
                 ggml_tensor * v = v_storage(*grp.kv, il);
                 for (ggml_tensor * t : { k, v }) {
                     const bool is_v = t == v;
                     const uint32_t d = is_v ? hparams.n_embd_head_v(il) : hparams.n_embd_head_k(il);
+                    const bool trans = is_v && v_trans;
+                    const size_t es = ggml_type_size(t->type);
                     if (moves.size() <= 16) {
                         // a few moves (a decode step moves one token per head): copy just those values
-                        const bool trans = is_v && v_trans;
-                        const size_t es = ggml_type_size(t->type);
                         const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
                         const size_t head_bytes = ggml_row_size(t->type, d);
                         std::vector<uint8_t> tmp(trans ? es : head_bytes);
                         for (const auto & m : moves) {
                             if (!trans) {
-                                ggml_backend_tensor_get(t, tmp.data(), m.src*row_bytes + m.h*head_bytes, head_bytes);
-                                ggml_backend_tensor_set(t, tmp.data(), m.dst*row_bytes + m.h*head_bytes, head_bytes);
+                                ggml_backend_tensor_get(t, tmp.data(), m.src*row_bytes + m.src_slot*head_bytes, head_bytes);
+                                ggml_backend_tensor_set(t, tmp.data(), m.dst*row_bytes + m.dst_slot*head_bytes, head_bytes);
                                 continue;
                             }
                             for (uint32_t i = 0; i < d; ++i) {
-                                const size_t j = (size_t) m.h*d + i; // feature j of cell c at c + cap*j
-                                ggml_backend_tensor_get(t, tmp.data(), (j*cap + m.src)*es, es);
-                                ggml_backend_tensor_set(t, tmp.data(), (j*cap + m.dst)*es, es);
+                                // feature j of cell c at c + cap*j
+                                ggml_backend_tensor_get(t, tmp.data(), (((size_t) m.src_slot*d + i)*cap + m.src)*es, es);
+                                ggml_backend_tensor_set(t, tmp.data(), (((size_t) m.dst_slot*d + i)*cap + m.dst)*es, es);
                             }
                         }
                         continue;
                     }
-                    if (is_v && v_trans) {
-                        // V transposed: element (cell c, feature j) at c + cap*j; the block of head h is contiguous
-                        const size_t es = ggml_type_size(t->type);
-                        std::vector<uint8_t> blk((size_t) d * cap * es);
-                        for (uint32_t h = 0; h < nh; ++h) {
-                            bool any = false;
-                            for (const auto & m : moves) {
-                                any |= m.h == h;
+                    if (trans) {
+                        // V transposed: element (cell c, feature j) at c + cap*j
+                        std::vector<uint8_t> all((size_t) nh * d * cap * es);
+                        ggml_backend_tensor_get(t, all.data(), 0, all.size());
+                        for (const auto & m : moves) {
+                            for (uint32_t i = 0; i < d; ++i) {
+                                memcpy(&all[(((size_t) m.dst_slot*d + i)*cap + m.dst)*es],
+                                       &all[(((size_t) m.src_slot*d + i)*cap + m.src)*es], es);
                             }
-                            if (!any) {
-                                continue;
-                            }
-                            const size_t off = (size_t) h * d * cap * es;
-                            ggml_backend_tensor_get(t, blk.data(), off, blk.size());
-                            for (const auto & m : moves) {
-                                if (m.h != h) {
-                                    continue;
-                                }
-                                for (uint32_t i = 0; i < d; ++i) {
-                                    memcpy(&blk[((size_t) i*cap + m.dst)*es], &blk[((size_t) i*cap + m.src)*es], es);
-                                }
-                            }
-                            ggml_backend_tensor_set(t, blk.data(), off, blk.size());
                         }
+                        ggml_backend_tensor_set(t, all.data(), 0, all.size());
                         continue;
                     }
                     const size_t row_bytes  = ggml_row_size(t->type, t->ne[0]);
@@ -1109,15 +1146,15 @@ void llama_kv_cache_poly::repack(group & grp) {
                     std::vector<uint8_t> buf((size_t) hi * row_bytes);
                     ggml_backend_tensor_get(t, buf.data(), 0, buf.size());
                     for (const auto & m : moves) {
-                        memcpy(&buf[m.dst*row_bytes + m.h*head_bytes], &buf[m.src*row_bytes + m.h*head_bytes], head_bytes);
+                        memcpy(&buf[m.dst*row_bytes + m.dst_slot*head_bytes], &buf[m.src*row_bytes + m.src_slot*head_bytes], head_bytes);
                     }
                     ggml_backend_tensor_set(t, buf.data(), 0, (size_t) n_rows * row_bytes);
                 }
             }
         }
         for (const auto & m : moves) {
-            const size_t s = grp.head_off(m.h) + m.src;
-            const size_t t = grp.head_off(m.h) + m.dst;
+            const size_t s = grp.head_off(m.src_slot) + m.src;
+            const size_t t = grp.head_off(m.dst_slot) + m.dst;
             grp.acc[t]   = grp.acc[s];
             grp.last[t]  = grp.last[s];
             grp.knorm[t] = grp.knorm[s];
@@ -1129,8 +1166,13 @@ void llama_kv_cache_poly::repack(group & grp) {
             if (grp.win_ok) {
                 grp.win_sum[t] = grp.win_sum[s];
             }
-            grp.hpos[(size_t) m.h*cap + m.dst] = grp.hpos[(size_t) m.h*cap + m.src];
-            grp.hpos[(size_t) m.h*cap + m.src] = -1;
+            const size_t us = (size_t) m.src_slot*cap + m.src;
+            const size_t ud = (size_t) m.dst_slot*cap + m.dst;
+            grp.hpos[ud] = grp.hpos[us];
+            grp.hpos[us] = -1;
+            if (grp.pooled) {
+                grp.howner[ud] = grp.howner[us];
+            }
         }
     }
 
@@ -1294,6 +1336,9 @@ void llama_kv_cache_poly::resize(group & grp, uint32_t cap) {
     if (grp.per_head) {
         move_slots(grp.hpos, grp.n_head_kv, (llama_pos) -1);
     }
+    if (grp.pooled) {
+        move_slots(grp.howner, grp.n_head_kv, (uint8_t) 0);
+    }
 }
 
 bool llama_kv_cache_poly::kept_scores(int32_t il, int32_t head, std::vector<float> & out) const {
@@ -1307,7 +1352,8 @@ bool llama_kv_cache_poly::kept_scores(int32_t il, int32_t head, std::vector<floa
         return false;
     }
     const auto items = set_items(grp, head < 0 ? 0 : (uint32_t) head);
-    const size_t off = head < 0 ? 0 : grp.head_off((uint32_t) head);
+    // a per-head set's items are slots (after head_off(0)); a layer set's are cells (head `head`'s scores of them)
+    const size_t off = head < 0 ? 0 : grp.head_off(grp.per_head ? 0 : (uint32_t) head);
     for (double v : pattern_scores(grp, grp.phase[LLAMA_POLYKV_PHASE_PREFILL], items, off)) {
         out.push_back((float) v);
     }
@@ -1321,14 +1367,9 @@ std::vector<llama_pos> llama_kv_cache_poly::kept_positions(int32_t il, int32_t h
     }
     const auto & grp = groups[layer_group[il]];
     if (grp.per_head) {
-        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-            if (head >= 0 && (uint32_t) head != h) {
-                continue;
-            }
-            for (uint32_t c = 0; c < grp.capacity; ++c) {
-                if (grp.hpos[h*grp.capacity + c] >= 0) {
-                    res.push_back(grp.hpos[h*grp.capacity + c]);
-                }
+        for (size_t u = 0; u < grp.hpos.size(); ++u) {
+            if (grp.hpos[u] >= 0 && (head < 0 || grp.owner_of(u) == (uint32_t) head)) {
+                res.push_back(grp.hpos[u]);
             }
         }
         std::sort(res.begin(), res.end());

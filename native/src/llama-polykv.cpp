@@ -198,6 +198,10 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             groups.back().is_swa = is_swa;
             groups.back().collect_all = portable;
             groups.back().per_head = per_head;
+            // adaptive heads of different lengths share the cache's slots (docs/design.md): the graph views them as
+            // one KV head, which a transposed V cannot give, and a portable prefill keeps identity slots for any plan
+            groups.back().pooled = per_head && !v_trans && !portable &&
+                (lp[0].selection == LLAMA_POLYKV_SELECT_ADAPTIVE || lp[1].selection == LLAMA_POLYKV_SELECT_ADAPTIVE);
             groups.back().n_head_kv = hparams.n_head_kv(il);
             // a scored prefill pattern streams by the plan's stream pattern in chunked prefill (exact modes score
             // the whole prompt at once; positional layers keep what they would keep anyway)
@@ -253,6 +257,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
         }
         if (grp.per_head) {
             grp.hpos.assign((size_t) grp.n_head_kv * grp.capacity, -1);
+            grp.howner.assign(grp.pooled ? grp.hpos.size() : 0, 0);
         }
     }
 }
@@ -299,7 +304,7 @@ uint32_t llama_kv_cache_poly::group_cells(const group & grp, bool whole_prompt) 
         if (p == LLAMA_POLYKV_PHASE_PREFILL && keep < n_ctx) {
             keep = (uint32_t) streaming_phase(pp).budget;
         }
-        if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE && grp.per_head && keep < n_ctx) {
+        if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE && grp.per_head && !grp.pooled && keep < n_ctx) {
             keep = (uint32_t) llama_polykv_adaptive_cap((int32_t) keep, (int32_t) grp.n_head_kv); // the longest head
         }
         if (grp.is_swa) {
@@ -318,6 +323,7 @@ void llama_kv_cache_poly::reset_capacity(group & grp, uint32_t cap) {
     grp.capacity = cap;
     if (grp.per_head) {
         grp.hpos.assign((size_t) grp.n_head_kv * cap, -1);
+        grp.howner.assign(grp.pooled ? grp.hpos.size() : 0, 0);
     }
     for (auto * v : { &grp.acc, &grp.last, &grp.knorm, &grp.zmax, &grp.ea }) {
         v->assign((size_t) grp.n_slots() * cap, 0.0f);
@@ -593,14 +599,18 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
         // k-th used cell at the k-th used cell again)
         // per-head positions only where a head holds other tokens than its cell's label (before any per-head
         // eviction, e.g. a portable prompt state, every head holds every cell and any plan may load it)
+        // (2: a pooled group whose slots hold other heads' tokens, with each slot's owner after its position)
         bool heads_differ = false;
+        bool owners_moved = false;
         for (uint32_t h = 0; grp.per_head && h < grp.n_head_kv; ++h) {
             for (uint32_t i : idxs) {
-                heads_differ |= grp.hpos[(size_t) h*grp.capacity + i] != cells.pos_get(i);
+                const size_t u = (size_t) h*grp.capacity + i;
+                heads_differ |= grp.hpos[u] != cells.pos_get(i);
+                owners_moved |= grp.hpos[u] >= 0 && grp.owner_of(u) != h;
             }
         }
         const uint8_t head_scores = grp.head_scores() ? 1 : 0;
-        const uint8_t per_head    = heads_differ ? 1 : 0;
+        const uint8_t per_head    = owners_moved ? 2 : heads_differ ? 1 : 0;
         io.write(&head_scores, sizeof(head_scores));
         io.write(&per_head, sizeof(per_head));
         if (grp.head_scores()) {
@@ -609,6 +619,10 @@ void llama_kv_cache_poly::state_write(llama_io_write_i & io, llama_seq_id seq_id
                 for (uint32_t i : idxs) {
                     if (per_head) {
                         io.write(&grp.hpos[(size_t) h*grp.capacity + i], sizeof(llama_pos));
+                    }
+                    if (per_head == 2) {
+                        const uint8_t owner = (uint8_t) grp.owner_of((size_t) h*grp.capacity + i);
+                        io.write(&owner, sizeof(owner));
                     }
                     io.write(&grp.acc[off + i],   sizeof(float));
                     io.write(&grp.last[off + i],  sizeof(float));
@@ -772,6 +786,10 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
             throw std::runtime_error("PolyKV: the saved state selects per head where this plan selects per layer (or the reverse); "
                                      "a portable state serves both");
         }
+        if (per_head > 2 || (per_head == 2 && !grp.pooled)) {
+            throw std::runtime_error("PolyKV: the saved state's layer " + std::to_string(grp.layers.front()) + " holds adaptive "
+                                     "heads in pooled slots, which this context does not (another plan, or flash attention off)");
+        }
         std::vector<uint32_t> used;
         for (uint32_t i = 0; i < cells.size(); ++i) {
             if (!cells.is_empty(i)) {
@@ -786,6 +804,9 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
             for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
                 for (uint32_t c : used) {
                     grp.hpos[(size_t) h*grp.capacity + c] = cells.pos_get(c);
+                    if (grp.pooled) {
+                        grp.howner[(size_t) h*grp.capacity + c] = (uint8_t) h;
+                    }
                 }
             }
         }
@@ -795,6 +816,15 @@ void llama_kv_cache_poly::state_read(llama_io_read_i & io, llama_seq_id seq_id, 
                 for (uint32_t c : used) {
                     if (per_head) {
                         io.read(&grp.hpos[(size_t) h*grp.capacity + c], sizeof(llama_pos));
+                    }
+                    if (per_head == 2) {
+                        uint8_t owner = 0;
+                        io.read(&owner, sizeof(owner));
+                        if (owner >= grp.n_head_kv) {
+                            throw std::runtime_error("PolyKV state: a slot of layer " + std::to_string(grp.layers.front()) +
+                                                     " names KV head " + std::to_string(owner) + " (a damaged file)");
+                        }
+                        grp.howner[(size_t) h*grp.capacity + c] = owner;
                     }
                     if (!grp.head_scores()) {
                         io.read(skip.data(), skip.size() * sizeof(float));
@@ -1119,10 +1149,8 @@ uint64_t llama_kv_cache_poly::decode_tokens_to_eviction(const group & grp) const
     uint64_t n_units = 1;
     if (grp.per_head) {
         std::vector<uint64_t> per(grp.n_head_kv, 0);
-        for (uint32_t h = 0; h < grp.n_head_kv; ++h) {
-            for (uint32_t c = 0; c < grp.capacity; ++c) {
-                per[h] += grp.hpos[(size_t) h*grp.capacity + c] >= 0;
-            }
+        for (size_t u = 0; u < grp.hpos.size(); ++u) {
+            per[grp.owner_of(u)] += grp.hpos[u] >= 0;
         }
         if (pp.selection == LLAMA_POLYKV_SELECT_ADAPTIVE) {
             for (uint64_t x : per) {

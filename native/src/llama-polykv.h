@@ -66,6 +66,14 @@ public:
         bool per_head = false;
         uint32_t n_head_kv = 1;
         std::vector<llama_pos> hpos;
+        // pooled heads (adaptive groups, V not transposed, not portable): the layer's (cell, head) slots are one
+        // pool, any KV head's token may sit in any slot, so that heads of different lengths take exactly the slots
+        // they keep. howner[u] is the KV head whose token slot u (= s*capacity + c: head slot s of cell c) holds;
+        // the graph attends over the slots as one KV head, masked per KV head by owner (llama_polykv_view_kv).
+        // Without pooling every slot is its own head's (howner[u] == u / capacity)
+        bool pooled = false;
+        std::vector<uint8_t> howner;
+        uint32_t owner_of(size_t u) const { return pooled ? howner[u] : (uint32_t) (u / capacity); }
 
         // per-cell score state of attention/key based patterns (groups of one layer), in slots of capacity
         // cells: the layer's (slot 0, layer selection), each KV head's (head_off(h), per-head selection), or
@@ -271,8 +279,10 @@ public:
     std::vector<int64_t> graph_key(bool record) const;
 
     // per-head groups: the attention mask input of a ubatch, [n_kv, n_tokens, 1, n_head_kv] (one slice per KV head;
-    // the graph widens it to one per query head)
+    // the graph widens it to one per query head). Pooled groups: [n_kv*n_head_kv, n_tokens] (a slot seen by its
+    // position alone), and set_input_owner_mask: [n_kv*n_head_kv, 1, 1, n_head_kv] (0 where the KV head owns the slot)
     void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const;
+    void set_input_owner_mask(uint32_t g, ggml_tensor * dst) const;
 
     size_t group_bytes(uint32_t g) const;
 
@@ -399,16 +409,19 @@ private:
     // move the kept cells of a group to its first cells (exact modes: after the prompt's compression the
     // kept tokens are spread over n_ctx cells, and attention would still span all of them)
     void compact(group & grp);
-    // the (position, cell) pairs of one token set, oldest first: KV head h's in a per-head group, else the layer's
+    // the (position, cell) pairs of one token set, oldest first: the layer's, or in a per-head group KV head h's as
+    // (position, slot) pairs, the slot u = s*capacity + c indexing hpos and, after head_off(0), the score state
     std::vector<std::pair<llama_pos, uint32_t>> set_items(const group & grp, uint32_t h) const;
     // bring a group down to the budget of pp (llama-polykv-select.cpp)
     void evict(group & grp, const llama_polykv_phase_plan & pp);
-    // per-head groups: move each head's kept tokens into the first cells and relabel the stock cells
+    // per-head groups: move each head's kept tokens into the first cells (a pooled group: into any free slot of
+    // them) and relabel the stock cells
     void repack(group & grp);
-    // one (KV head, cell) row of a per-head group moved by repack
+    // one (cell, head slot) row of a per-head group moved by repack: the slots differ only in pooled groups
     struct repack_move {
-        uint32_t h;
+        uint32_t src_slot;
         uint32_t src;
+        uint32_t dst_slot;
         uint32_t dst;
     };
     // the K/V copies of a repack as one graph on the caches' own device: get_rows of the moved (cell, head) rows,
@@ -589,8 +602,10 @@ public:
 
     const llama_kv_cache_poly_context * pctx;
 
-    // per-head groups fill their mask input themselves ([n_kv, n_tokens, 1, n_head_kv]); nullptr for the others
+    // per-head groups fill their mask input themselves ([n_kv, n_tokens, 1, n_head_kv]); nullptr for the others.
+    // Pooled groups: head_masks[g] is [n_kv*n_head_kv, n_tokens] and owner_masks[g] [n_kv*n_head_kv, 1, 1, n_head_kv]
     std::vector<ggml_tensor *> head_masks;
+    std::vector<ggml_tensor *> owner_masks;
 
     // Expected Attention (some group needs query statistics): minus the ubatch's positions (I32 [n_tokens]: a
     // RoPE by -p undoes the one by p) and the positions as floats ([1, 1, n_tokens]: which queries count)
@@ -663,6 +678,15 @@ void llama_polykv_build_scores(
          ggml_tensor * kq_mask,
                float   kq_scale,
              int32_t   il);
+
+// llm_graph_context::build_attn, before the score branch: a pooled group's K and V ([d, n_head_kv, n_kv] views of
+// the cache) become views of its slots as one KV head ([d, 1, n_kv*n_head_kv]); other layers keep theirs
+void llama_polykv_view_kv(
+        ggml_context * ctx0,
+        const llm_graph_input_attn_kv_poly * inp,
+             int32_t   il,
+         ggml_tensor * & k,
+         ggml_tensor * & v);
 
 // llm_graph_context::build_attn with a ubatch of several sequences: rows [i0, i0 + n) of q, k or v ([d, heads, n_tokens])
 ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n);
