@@ -720,7 +720,8 @@ def adaptive_floor(budget: int) -> int:
 
 def adaptive_cap(budget: int, n_head_kv: int) -> int:
     """The most tokens one KV head holds under adaptive selection: what the other heads' floors leave of the
-    layer's ``n_head_kv x budget``. The native cache allocates this many rows (plus one ubatch) for the layer."""
+    layer's ``n_head_kv x budget``. With flash attention off the native cache allocates this many rows (plus one
+    ubatch) for the layer; with it on the heads share the layer's (cell, head) slots and it allocates ``budget``."""
     return n_head_kv * budget - (n_head_kv - 1) * adaptive_floor(budget)
 
 

@@ -15,7 +15,7 @@ import pytest
 from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import PlanError
-from polykv_cpp.patterns import ExpectedAttention, QueryStatistics, average_rotation, query_statistics
+from polykv_cpp.patterns import ExpectedAttention, QueryStatistics, average_rotation, query_statistics, select_adaptive
 from test_polykv_native import CFG, P, tokens, twin  # noqa: F401
 
 torch = pytest.importorskip("torch")
@@ -113,7 +113,7 @@ def run_native(path, plan, toks, il, *, prefill="exact", flash_attn="on", n_ubat
                 ctx.clear()
                 ctx.load_state_bytes(state)
             ctx.compress_prompt()
-            return [(ctx.kept_positions(il, h), ctx.kept_scores(il, h) if plan.layers[il].prefill.selection == "head"
+            return [(ctx.kept_positions(il, h), ctx.kept_scores(il, h) if plan.layers[il].prefill.per_head
                      else ctx.kept_scores(il)) for h in range(CFG.n_head_kv)]
 
 
@@ -122,16 +122,23 @@ def reference_kept(twin, hf_layers, il, selection, pool_kernel=1):
     pat = ExpectedAttention(n_sink=N_SINK, pool_kernel=pool_kernel)
     stats = reference_stats(twin, hf_layers, il)
     heads = pat.head_scores(keys, stats)
+
+    def head_stats(g):
+        return QueryStatistics(stats.mean[g * 2:(g + 1) * 2], stats.cov[g * 2:(g + 1) * 2], stats.rotation,
+                               stats.values[g:g + 1], stats.scale)
+
     if selection == "head":
-        return [(pat.select(BUDGET, keys=keys[g:g + 1], stats=QueryStatistics(
-            stats.mean[g * 2:(g + 1) * 2], stats.cov[g * 2:(g + 1) * 2], stats.rotation, stats.values[g:g + 1],
-            stats.scale)), heads[g]) for g in range(CFG.n_head_kv)]
+        return [(pat.select(BUDGET, keys=keys[g:g + 1], stats=head_stats(g)), heads[g]) for g in range(CFG.n_head_kv)]
+    if selection == "adaptive":
+        protected = [pat.scores(BUDGET, keys.shape[1], keys=keys[g:g + 1], stats=head_stats(g))
+                     for g in range(CFG.n_head_kv)]
+        return [(kept, heads[g]) for g, kept in enumerate(select_adaptive(protected, BUDGET))]
     kept = pat.select(BUDGET, keys=keys, stats=stats)
     return [(kept, heads.mean(axis=0))] * CFG.n_head_kv
 
 
 @pytest.mark.parametrize("il", [0, 1])
-@pytest.mark.parametrize("selection", ["layer", "head"])
+@pytest.mark.parametrize("selection", ["layer", "head", "adaptive"])
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
 def test_native_keeps_what_the_reference_keeps(twin, tokens, hf_layers, il, selection, flash_attn):
     _, path = twin

@@ -44,12 +44,12 @@ void llama_kv_cache_poly::set_input_owner_mask(uint32_t g, ggml_tensor * dst) co
     const auto & grp = groups[g];
     const uint32_t nh = grp.n_head_kv;
     GGML_ASSERT(grp.pooled && ggml_backend_buffer_is_host(dst->buffer));
-    GGML_ASSERT(dst->ne[1] == 1 && dst->ne[2] == 1 && dst->ne[3] == (int64_t) nh && dst->ne[0] % nh == 0);
+    GGML_ASSERT(dst->ne[1] == 1 && dst->ne[2] == (int64_t) nh && dst->ne[3] == 1 && dst->ne[0] % nh == 0);
     const int64_t n_cols = dst->ne[0];
     const uint32_t cap = grp.capacity;
     const bool f16 = dst->type == GGML_TYPE_F16;
     for (uint32_t h = 0; h < nh; ++h) {
-        char * row = (char *) dst->data + h*dst->nb[3];
+        char * row = (char *) dst->data + h*dst->nb[2];
         for (int64_t j = 0; j < n_cols; ++j) {
             const int64_t c = j / nh;
             const size_t u = (j % nh)*cap + c;
@@ -164,10 +164,10 @@ bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
         auto & inp = groups[g];
         inp->mctx = pnew->get_group(g);
         const ggml_tensor * mask = inp->self_kq_mask;
-        const int64_t n_cols = (int64_t) inp->mctx->get_n_kv() * (owner_masks[g] ? owner_masks[g]->ne[3] : 1);
+        const int64_t nh = owner_masks[g] ? owner_masks[g]->ne[2] : 1;
         res &= inp->self_k_idxs->ne[0] == n_tokens;
-        res &= mask->ne[0] == n_cols && mask->ne[1] == n_tokens && mask->ne[3] == 1;
-        res &= mask->ne[2] == (head_masks[g] ? (int64_t) n_head : 1);
+        res &= mask->ne[0] == (int64_t) inp->mctx->get_n_kv() * nh && mask->ne[1] == n_tokens && mask->ne[3] == 1;
+        res &= mask->ne[2] == (owner_masks[g] ? nh : head_masks[g] ? (int64_t) n_head : 1);
     }
     return res;
 }
@@ -228,22 +228,22 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const int64_t n_kv = gctx->get_n_kv();
         if (grp.pooled) {
             // the slots as one KV head (llama_polykv_view_kv): a slot is seen by KV head h's queries if its position
-            // is (the input, one slice) and h owns it (a small second input), the sum widened to the query heads
-            // in the graph as below
+            // is (the input, one slice) and h owns it (a small second input). The sum has one slice per KV head, not
+            // per query head: the query heads are reordered so that head i' belongs to KV head i' % n_head_kv, and
+            // ggml tiles a mask of fewer heads (llama_polykv_attn_q)
             const int64_t n_head = hparams.n_head(grp.layers.front());
             const int64_t nh = grp.n_head_kv;
             GGML_ASSERT(n_head % nh == 0);
             ggml_tensor * mask_pos = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, ubatch.n_tokens, 1, 1);
             ggml_set_input(mask_pos);
             ggml_set_name(mask_pos, "attn_inp_kq_mask_slots");
-            ggml_tensor * mask_own = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, 1, 1, nh);
+            ggml_tensor * mask_own = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, 1, nh, 1);
             ggml_set_input(mask_own);
             ggml_set_name(mask_own, "attn_inp_kq_mask_owners");
             inp->head_masks.push_back(mask_pos);
             inp->owner_masks.push_back(mask_own);
             inp->n_head = (uint32_t) n_head;
-            ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask_pos, n_kv*nh, ubatch.n_tokens, n_head/nh, nh), mask_own);
-            ginp->self_kq_mask = ggml_reshape_4d(ctx0, mask, n_kv*nh, ubatch.n_tokens, n_head, 1);
+            ginp->self_kq_mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask_pos, n_kv*nh, ubatch.n_tokens, nh, 1), mask_own);
         } else if (grp.per_head) {
             // one mask slice per KV head as the input ([n_kv, n_tokens, 1, n_head_kv]), widened in the graph to one
             // per query head (ggml indexes the mask by query head, K and V by KV head): the input, which lives for the
@@ -297,6 +297,36 @@ void llama_polykv_view_kv(
     const int64_t n_slots = k->ne[1] * k->ne[2];
     k = ggml_view_3d(ctx0, k, k->ne[0], 1, n_slots, k->nb[1], k->nb[1], 0);
     v = ggml_view_3d(ctx0, v, v->ne[0], 1, n_slots, v->nb[1], v->nb[1], 0);
+}
+
+// [d, n_head, n_tokens] with head i = g*rk + r (KV head g) moved to i' = r*n_head_kv + g, or back (to_pooled false)
+static ggml_tensor * reorder_heads(ggml_context * ctx0, ggml_tensor * x, int64_t n_head, int64_t nh, bool to_pooled) {
+    const int64_t a = to_pooled ? n_head / nh : nh; // the heads' inner index before the move
+    const int64_t b = n_head / a;
+    ggml_tensor * x4 = ggml_view_4d(ctx0, x, x->ne[0], a, b, x->ne[2], x->nb[1], x->nb[1]*a, x->nb[2], 0);
+    return ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, x4, 0, 2, 1, 3)), x->ne[0], n_head, x->ne[2]);
+}
+
+ggml_tensor * llama_polykv_attn_q(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * q) {
+    const auto * poly = inp->pctx->get_poly();
+    const auto & grp = poly->get_group(poly->group_of(il));
+    if (!grp.pooled) {
+        return q;
+    }
+    return reorder_heads(ctx0, q, q->ne[1], grp.n_head_kv, true);
+}
+
+ggml_tensor * llama_polykv_attn_out(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * cur) {
+    const auto * poly = inp->pctx->get_poly();
+    const auto & grp = poly->get_group(poly->group_of(il));
+    if (!grp.pooled) {
+        return cur;
+    }
+    const int64_t n_head = inp->hparams.n_head(il);
+    GGML_ASSERT(ggml_n_dims(cur) <= 2 && cur->ne[0] % n_head == 0);
+    ggml_tensor * x = ggml_reshape_3d(ctx0, cur, cur->ne[0] / n_head, n_head, cur->ne[1]);
+    x = reorder_heads(ctx0, x, n_head, grp.n_head_kv, false);
+    return ggml_reshape_2d(ctx0, x, cur->ne[0], cur->ne[1]);
 }
 
 ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n) {
@@ -376,6 +406,9 @@ void llama_polykv_build_scores(
     // (the mask hides it from the others), so its KV head's sum is the sum over every query head
     GGML_ASSERT(!grp.pooled || !grp.layer_scores());
     const int64_t rk_sum = grp.pooled ? n_head : n_head / grp.n_head_kv;
+    if (grp.pooled) {
+        q = llama_polykv_attn_q(ctx0, inp, il, q); // as the attention: the mask has one slice per KV head
+    }
     ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
     qs = ggml_permute(ctx0, qs, 0, 2, 1, 3);                                   // [d, n_rows, n_head]
     ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]

@@ -280,7 +280,7 @@ public:
 
     // per-head groups: the attention mask input of a ubatch, [n_kv, n_tokens, 1, n_head_kv] (one slice per KV head;
     // the graph widens it to one per query head). Pooled groups: [n_kv*n_head_kv, n_tokens] (a slot seen by its
-    // position alone), and set_input_owner_mask: [n_kv*n_head_kv, 1, 1, n_head_kv] (0 where the KV head owns the slot)
+    // position alone), and set_input_owner_mask: [n_kv*n_head_kv, 1, n_head_kv] (0 where the KV head owns the slot)
     void set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const;
     void set_input_owner_mask(uint32_t g, ggml_tensor * dst) const;
 
@@ -603,7 +603,7 @@ public:
     const llama_kv_cache_poly_context * pctx;
 
     // per-head groups fill their mask input themselves ([n_kv, n_tokens, 1, n_head_kv]); nullptr for the others.
-    // Pooled groups: head_masks[g] is [n_kv*n_head_kv, n_tokens] and owner_masks[g] [n_kv*n_head_kv, 1, 1, n_head_kv]
+    // Pooled groups: head_masks[g] is [n_kv*n_head_kv, n_tokens] and owner_masks[g] [n_kv*n_head_kv, 1, n_head_kv]
     std::vector<ggml_tensor *> head_masks;
     std::vector<ggml_tensor *> owner_masks;
 
@@ -687,6 +687,12 @@ void llama_polykv_view_kv(
              int32_t   il,
          ggml_tensor * & k,
          ggml_tensor * & v);
+
+// llm_graph_context::build_attn, after the score branch: a pooled group's queries reordered so that query head i'
+// belongs to KV head i' % n_head_kv (the mask's slice for it: ggml tiles a mask of fewer heads), and the attention
+// output put back in the model's head order; identities for other layers
+ggml_tensor * llama_polykv_attn_q(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * q);
+ggml_tensor * llama_polykv_attn_out(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * cur);
 
 // llm_graph_context::build_attn with a ubatch of several sequences: rows [i0, i0 + n) of q, k or v ([d, heads, n_tokens])
 ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n);

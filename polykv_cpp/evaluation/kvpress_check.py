@@ -28,7 +28,8 @@ Known differences, written into every report:
   (ours: max). Window, kernel and sink sizes are set to ours (``--kvpress-params`` keeps kvpress's);
 * PyramidKVPress keeps SnapKV's uniform sizes unless budget / beta >= window (as KVCache-Factory does);
 * adaptive (``adakv``): AdaKVPress masks the dropped (head, token) pairs in attention (the decode here applies its
-  masks, :func:`head_masks`); ours keeps rows for the longest head.
+  masks, :func:`head_masks`); ours keeps only the kept pairs (with flash attention the heads share the layer's
+  slots; without it, rows for the longest head).
 
 Limits: kvpress 0.5.5 supports Llama, Mistral, Phi-3, Qwen2/3 and Gemma-3 (multimodal) model classes; other
 models are refused. Needs ``pip install 'polykv-cpp[kvpress]'`` (kvpress 0.5.5 wants transformers < 5.3).
@@ -94,7 +95,8 @@ DIFFERENCES = [
     "Expected Attention: ours compresses the prompt once (exact prefill) as kvpress does; both look 512 positions "
     "ahead and leave the first 4 queries out of the statistics (kvpress's defaults)",
     "adaptive (Ada-KV) = AdaKVPress around the pattern's press (safeguard 0.2, as ours): kvpress keeps the whole "
-    "cache and masks the dropped (head, token) pairs in attention; ours keeps rows for the longest head",
+    "cache and masks the dropped (head, token) pairs in attention; ours keeps only the kept pairs (flash attention "
+    "on: the heads share the layer's slots; off: rows for the longest head)",
     "KVzip = KVzipPress, replayed on a copy of the FullKV cache (its own reconstruction passes, chunks of 2048): "
     "kvzip and kvzip-head map to layerwise=True, which splits each layer's budget x n_head_kv pairs across its heads "
     "by score with no floor and masks the rest (ours: one set per layer, or budget per head); kvzip-model-wide is "
