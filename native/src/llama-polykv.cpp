@@ -200,7 +200,7 @@ llama_kv_cache_poly::llama_kv_cache_poly(
             groups.back().per_head = per_head;
             // adaptive heads of different lengths share the cache's slots (docs/design.md): the graph views them as
             // one KV head, which a transposed V cannot give, and a portable prefill keeps identity slots for any plan
-            groups.back().pooled = per_head && !v_trans && !portable &&
+            groups.back().pooled = per_head && !v_trans && !portable && hparams.n_head_kv(il) <= UINT8_MAX &&
                 (lp[0].selection == LLAMA_POLYKV_SELECT_ADAPTIVE || lp[1].selection == LLAMA_POLYKV_SELECT_ADAPTIVE);
             groups.back().n_head_kv = hparams.n_head_kv(il);
             // a scored prefill pattern streams by the plan's stream pattern in chunked prefill (exact modes score
