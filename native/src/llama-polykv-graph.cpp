@@ -48,6 +48,8 @@ void llama_kv_cache_poly::set_input_owner_mask(uint32_t g, ggml_tensor * dst) co
     const int64_t n_cols = dst->ne[0];
     const uint32_t cap = grp.capacity;
     const bool f16 = dst->type == GGML_TYPE_F16;
+    const ggml_fp16_t keep_f16 = ggml_fp32_to_fp16(0.0f);
+    const ggml_fp16_t drop_f16 = ggml_fp32_to_fp16(-INFINITY);
     for (uint32_t h = 0; h < nh; ++h) {
         char * row = (char *) dst->data + h*dst->nb[2];
         for (int64_t j = 0; j < n_cols; ++j) {
@@ -55,7 +57,7 @@ void llama_kv_cache_poly::set_input_owner_mask(uint32_t g, ggml_tensor * dst) co
             const size_t u = (j % nh)*cap + c;
             const bool own = c < (int64_t) cap && grp.hpos[u] >= 0 && grp.howner[u] == h;
             if (f16) {
-                ((ggml_fp16_t *) row)[j] = ggml_fp32_to_fp16(own ? 0.0f : -INFINITY);
+                ((ggml_fp16_t *) row)[j] = own ? keep_f16 : drop_f16;
             } else {
                 ((float *) row)[j] = own ? 0.0f : -INFINITY;
             }

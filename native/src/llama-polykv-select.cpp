@@ -868,12 +868,11 @@ void llama_kv_cache_poly::score_expected_attention(group & grp) {
         // u = s*cap + c, the key and value of cell c's head slot s (a pooled group's head g may hold any slot)
         std::vector<uint32_t> set;
         if (grp.per_head) {
-            for (const auto & it : set_items(grp, (uint32_t) g)) {
-                if (it.first >= n_sink) {
-                    set.push_back(it.second);
+            for (size_t u = 0; u < grp.hpos.size(); ++u) {
+                if (grp.hpos[u] >= n_sink && grp.owner_of(u) == (uint32_t) g) {
+                    set.push_back((uint32_t) u);
                 }
             }
-            std::sort(set.begin(), set.end()); // slot order (the softmax's sums in a fixed order)
         } else {
             for (uint32_t c = 0; c < cap; ++c) {
                 if (!cells.is_empty(c) && cells.pos_get(c) >= n_sink) {
