@@ -1,5 +1,5 @@
-// PolyKV: graph inputs (one index/mask input per cache group; per-head groups: a mask input per KV head, widened to
-// the query heads in the graph) and the score branch of the attention-based patterns
+// PolyKV: graph inputs (one index/mask input per cache group; per-head groups: a mask slice per KV head, which the
+// attention reads with the KV heads as streams) and the score branch of the attention-based patterns
 
 #include "llama-polykv.h"
 
@@ -165,11 +165,13 @@ bool llm_graph_input_attn_kv_poly::can_reuse(const llm_graph_params & params) {
     for (size_t g = 0; g < groups.size(); ++g) {
         auto & inp = groups[g];
         inp->mctx = pnew->get_group(g);
+        // pooled: [n_kv*n_head_kv, n_tokens*n_head_kv]; per head: [n_kv, n_tokens, 1, n_head_kv]
         const ggml_tensor * mask = inp->self_kq_mask;
-        const int64_t nh = owner_masks[g] ? owner_masks[g]->ne[2] : 1;
+        const int64_t nh_pooled = owner_masks[g] ? owner_masks[g]->ne[2] : 1;
+        const int64_t nh_streams = head_masks[g] && !owner_masks[g] ? head_masks[g]->ne[3] : 1;
         res &= inp->self_k_idxs->ne[0] == n_tokens;
-        res &= mask->ne[0] == (int64_t) inp->mctx->get_n_kv() * nh && mask->ne[1] == n_tokens && mask->ne[3] == 1;
-        res &= mask->ne[2] == (owner_masks[g] ? nh : head_masks[g] ? (int64_t) n_head : 1);
+        res &= mask->ne[0] == (int64_t) inp->mctx->get_n_kv() * nh_pooled && mask->ne[1] == n_tokens * nh_pooled;
+        res &= mask->ne[2] == 1 && mask->ne[3] == nh_streams;
     }
     return res;
 }
@@ -229,13 +231,11 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const ggml_type mask_type = cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32;
         const int64_t n_kv = gctx->get_n_kv();
         if (grp.pooled) {
-            // the slots as one KV head (llama_polykv_view_kv): a slot is seen by KV head h's queries if its position
-            // is (the input, one slice) and h owns it (a small second input). The sum has one slice per KV head, not
-            // per query head: the query heads are reordered so that head i' belongs to KV head i' % n_head_kv, and
-            // ggml tiles a mask of fewer heads (llama_polykv_attn_q)
-            const int64_t n_head = hparams.n_head(grp.layers.front());
+            // the slots as one KV head (llama_polykv_view_kv) and every query row once per KV head (row t of KV head
+            // g is row t + g*n_tokens, llama_polykv_attn_q): a slot is seen by row (t, g) if its position is visible
+            // from t (the input, one slice) and g owns it (a small second input)
+            GGML_ASSERT(n_stream == 1);
             const int64_t nh = grp.n_head_kv;
-            GGML_ASSERT(n_head % nh == 0);
             ggml_tensor * mask_pos = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, ubatch.n_tokens, 1, 1);
             ggml_set_input(mask_pos);
             ggml_set_name(mask_pos, "attn_inp_kq_mask_slots");
@@ -244,23 +244,16 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
             ggml_set_name(mask_own, "attn_inp_kq_mask_owners");
             inp->head_masks.push_back(mask_pos);
             inp->owner_masks.push_back(mask_own);
-            inp->n_head = (uint32_t) n_head;
-            ginp->self_kq_mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask_pos, n_kv*nh, ubatch.n_tokens, nh, 1), mask_own);
+            ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask_pos, n_kv*nh, ubatch.n_tokens, nh, 1), mask_own);
+            ginp->self_kq_mask = ggml_reshape_2d(ctx0, mask, n_kv*nh, ubatch.n_tokens*nh);
         } else if (grp.per_head) {
-            // one mask slice per KV head as the input ([n_kv, n_tokens, 1, n_head_kv]), widened in the graph to one
-            // per query head (ggml indexes the mask by query head, K and V by KV head): the input, which lives for the
-            // whole graph, is n_head/n_head_kv times smaller than the widened mask, which lives for its layer only
+            // one mask slice per KV head ([n_kv, n_tokens, 1, n_head_kv]): the attention takes the KV heads as
+            // streams (llama_polykv_view_kv), so that a mask has one head slice, as the CUDA kernels need
             GGML_ASSERT(n_stream == 1);
-            const int64_t n_head = hparams.n_head(grp.layers.front());
-            GGML_ASSERT(n_head % grp.n_head_kv == 0);
-            ggml_tensor * mask_kv = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens, 1, grp.n_head_kv);
-            ggml_set_input(mask_kv);
-            ggml_set_name(mask_kv, "attn_inp_kq_mask_kv_heads");
-            inp->head_masks.push_back(mask_kv);
+            ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens, 1, grp.n_head_kv);
+            ggml_set_input(ginp->self_kq_mask);
+            inp->head_masks.push_back(ginp->self_kq_mask);
             inp->owner_masks.push_back(nullptr);
-            inp->n_head = (uint32_t) n_head;
-            ggml_tensor * mask = ggml_repeat_4d(ctx0, mask_kv, n_kv, ubatch.n_tokens, n_head/grp.n_head_kv, grp.n_head_kv);
-            ginp->self_kq_mask = ggml_reshape_4d(ctx0, mask, n_kv, ubatch.n_tokens, n_head, 1);
         } else {
             ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens/n_stream, 1, n_stream);
             inp->head_masks.push_back(nullptr);
@@ -290,45 +283,65 @@ void llama_polykv_view_kv(
          ggml_tensor * & v) {
     const auto * poly = inp->pctx->get_poly();
     const auto & grp = poly->get_group(poly->group_of(il));
-    if (!grp.pooled) {
+    if (!grp.per_head || grp.n_head_kv == 1) {
         return;
     }
-    // k, v: [d, n_head_kv, n_kv] views of rows of n_head_kv heads; the slot (c, s) is row c*n_head_kv + s of d values
-    GGML_ASSERT(k->ne[1] == (int64_t) grp.n_head_kv && v->ne[1] == (int64_t) grp.n_head_kv && k->ne[3] == 1);
-    GGML_ASSERT(k->nb[2] == k->ne[1]*k->nb[1] && v->nb[2] == v->ne[1]*v->nb[1]); // rows without gaps, V not transposed
-    const int64_t n_slots = k->ne[1] * k->ne[2];
-    k = ggml_view_3d(ctx0, k, k->ne[0], 1, n_slots, k->nb[1], k->nb[1], 0);
-    v = ggml_view_3d(ctx0, v, v->ne[0], 1, n_slots, v->nb[1], v->nb[1], 0);
+    // k, v: [d, n_head_kv, n_kv] views of rows of n_head_kv heads (V transposed: [n_kv, n_head_kv, d])
+    const int64_t nh = grp.n_head_kv;
+    GGML_ASSERT(k->ne[1] == nh && v->ne[1] == nh && k->ne[3] == 1 && v->ne[3] == 1);
+    if (grp.pooled) {
+        // the slot (c, s) is row c*n_head_kv + s of d values: one KV head of n_kv*n_head_kv rows
+        GGML_ASSERT(k->nb[2] == k->ne[1]*k->nb[1] && v->nb[2] == v->ne[1]*v->nb[1]); // rows without gaps, V not transposed
+        const int64_t n_slots = k->ne[1] * k->ne[2];
+        k = ggml_view_3d(ctx0, k, k->ne[0], 1, n_slots, k->nb[1], k->nb[1], 0);
+        v = ggml_view_3d(ctx0, v, v->ne[0], 1, n_slots, v->nb[1], v->nb[1], 0);
+        return;
+    }
+    // the KV heads as streams: [d, 1, n_kv, n_head_kv] (V transposed: [n_kv, 1, d, n_head_kv]); build_attn_mha splits
+    // the queries into as many streams (llama_polykv_attn_q)
+    k = ggml_view_4d(ctx0, k, k->ne[0], 1, k->ne[2], nh, k->nb[1], k->nb[2], k->nb[1], 0);
+    v = ggml_view_4d(ctx0, v, v->ne[0], 1, v->ne[2], nh, v->nb[1], v->nb[2], v->nb[1], 0);
 }
 
-// [d, n_head, n_tokens] with head i = g*rk + r (KV head g) moved to i' = r*n_head_kv + g, or back (to_pooled false)
-static ggml_tensor * reorder_heads(ggml_context * ctx0, ggml_tensor * x, int64_t n_head, int64_t nh, bool to_pooled) {
-    const int64_t a = to_pooled ? n_head / nh : nh; // the heads' inner index before the move
-    const int64_t b = n_head / a;
-    ggml_tensor * x4 = ggml_view_4d(ctx0, x, x->ne[0], a, b, x->ne[2], x->nb[1], x->nb[1]*a, x->nb[2], 0);
-    return ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, x4, 0, 2, 1, 3)), x->ne[0], n_head, x->ne[2]);
+// [d, n_head, n_tokens] -> [d, n_head/n_head_kv, n_tokens*n_head_kv]: the query heads of KV head g (heads g*rk ..
+// g*rk + rk - 1) as the rows g*n_tokens .. (g + 1)*n_tokens - 1, or back (to_kv_rows false)
+static ggml_tensor * heads_to_rows(ggml_context * ctx0, ggml_tensor * x, int64_t n_head, int64_t nh, bool to_kv_rows) {
+    const int64_t d = x->ne[0];
+    const int64_t rk = n_head / nh;
+    if (to_kv_rows) {
+        const int64_t n_tokens = x->ne[2];
+        ggml_tensor * x4 = ggml_view_4d(ctx0, x, d, rk, nh, n_tokens, x->nb[1], x->nb[1]*rk, x->nb[2], 0);
+        return ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, x4, 0, 1, 3, 2)), d, rk, n_tokens*nh);
+    }
+    const int64_t n_tokens = x->ne[2] / nh;
+    ggml_tensor * x4 = ggml_reshape_4d(ctx0, x, d, rk, n_tokens, nh);
+    return ggml_reshape_3d(ctx0, ggml_cont(ctx0, ggml_permute(ctx0, x4, 0, 1, 3, 2)), d, n_head, n_tokens);
 }
 
 ggml_tensor * llama_polykv_attn_q(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * q) {
     const auto * poly = inp->pctx->get_poly();
     const auto & grp = poly->get_group(poly->group_of(il));
-    if (!grp.pooled) {
+    if (!grp.per_head || grp.n_head_kv == 1) {
         return q;
     }
-    return reorder_heads(ctx0, q, q->ne[1], grp.n_head_kv, true);
+    GGML_ASSERT(q->ne[1] % grp.n_head_kv == 0 && q->ne[3] == 1);
+    return heads_to_rows(ctx0, q, q->ne[1], grp.n_head_kv, true);
 }
 
 ggml_tensor * llama_polykv_attn_out(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * cur) {
     const auto * poly = inp->pctx->get_poly();
     const auto & grp = poly->get_group(poly->group_of(il));
-    if (!grp.pooled) {
+    if (!grp.per_head || grp.n_head_kv == 1) {
         return cur;
     }
+    // cur: [d*rk, n_tokens*n_head_kv], the rows of llama_polykv_attn_q
     const int64_t n_head = inp->hparams.n_head(il);
-    GGML_ASSERT(ggml_n_dims(cur) <= 2 && cur->ne[0] % n_head == 0);
-    ggml_tensor * x = ggml_reshape_3d(ctx0, cur, cur->ne[0] / n_head, n_head, cur->ne[1]);
-    x = reorder_heads(ctx0, x, n_head, grp.n_head_kv, false);
-    return ggml_reshape_2d(ctx0, x, cur->ne[0], cur->ne[1]);
+    const int64_t nh = grp.n_head_kv;
+    const int64_t rk = n_head / nh;
+    GGML_ASSERT(ggml_n_dims(cur) <= 2 && cur->ne[0] % rk == 0 && cur->ne[1] % nh == 0);
+    ggml_tensor * x = ggml_reshape_3d(ctx0, cur, cur->ne[0] / rk, rk, cur->ne[1]);
+    x = heads_to_rows(ctx0, x, n_head, nh, false);
+    return ggml_reshape_2d(ctx0, x, x->ne[0]*n_head, x->ne[2]);
 }
 
 ggml_tensor * llama_polykv_rows(ggml_context * ctx0, ggml_tensor * cur, uint32_t i0, uint32_t n) {
@@ -408,20 +421,31 @@ void llama_polykv_build_scores(
     // (the mask hides it from the others), so its KV head's sum is the sum over every query head
     GGML_ASSERT(!grp.pooled || !grp.layer_scores());
     const int64_t rk_sum = grp.pooled ? n_head : n_head / grp.n_head_kv;
-    if (grp.pooled) {
-        q = llama_polykv_attn_q(ctx0, inp, il, q); // as the attention: the mask has one slice per KV head
-    }
     ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
-    qs = ggml_permute(ctx0, qs, 0, 2, 1, 3);                                   // [d, n_rows, n_head]
     ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]
-    ggml_tensor * kq = ggml_mul_mat(ctx0, ks, qs);                              // [n_kv, n_rows, n_head]
-    ggml_prec_set_acc(kq, GGML_PREC_F32);
-    ggml_tensor * m = ggml_view_3d(ctx0, kq_mask, kq_mask->ne[0], n_rows, kq_mask->ne[2], kq_mask->nb[1], kq_mask->nb[2],
-                                   (n_tokens - n_rows)*kq_mask->nb[1]);
+    ggml_tensor * m = nullptr;
+    if (grp.per_head && grp.n_head_kv > 1) {
+        // the KV heads as streams, as the attention (llama_polykv_view_kv): the query heads of KV head g and its
+        // mask slice in stream g; a pooled mask is [n_slots, n_tokens*n_head_kv], KV head g's rows the g-th block
+        const int64_t nh = grp.n_head_kv;
+        const int64_t rk = n_head / nh;
+        qs = ggml_view_4d(ctx0, qs, qs->ne[0], rk, nh, n_rows, qs->nb[1], qs->nb[1]*rk, qs->nb[2], 0);
+        qs = ggml_permute(ctx0, qs, 0, 2, 3, 1);                               // [d, n_rows, rk, n_head_kv]
+        const size_t nb_slice = grp.pooled ? kq_mask->nb[1]*n_tokens : kq_mask->nb[3];
+        m = ggml_view_4d(ctx0, kq_mask, kq_mask->ne[0], n_rows, 1, nh, kq_mask->nb[1], nb_slice, nb_slice,
+                         (n_tokens - n_rows)*kq_mask->nb[1]);
+    } else {
+        qs = ggml_permute(ctx0, qs, 0, 2, 1, 3);                               // [d, n_rows, n_head]
+        m = ggml_view_2d(ctx0, kq_mask, kq_mask->ne[0], n_rows, kq_mask->nb[1], (n_tokens - n_rows)*kq_mask->nb[1]);
+    }
     if (!ggml_is_contiguous(m)) {
         m = ggml_cont(ctx0, m); // a per-head mask: the last rows of every head's slice
     }
-    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, m, kq_scale, 0.0f);           // [n_kv, n_rows, n_head]
+    ggml_tensor * kq = ggml_mul_mat(ctx0, ks, qs);                              // [n_kv, n_rows, rk, n_head_kv]
+    ggml_prec_set_acc(kq, GGML_PREC_F32);
+    ggml_tensor * p = ggml_soft_max_ext(ctx0, kq, m, kq_scale, 0.0f);
+    // [n_kv, n_rows, n_head]: query head g*rk + r is KV head g's r-th, as in the model
+    p = ggml_reshape_3d(ctx0, p, p->ne[0], n_rows, n_head);
     if (kvzip) {
         // KVzip takes the largest probability any query row of any query head of a group gives a key (the paper
         // and kvpress): the maximum over the rows first, on the backend (one pooling window spanning them), then

@@ -602,8 +602,9 @@ public:
 
     const llama_kv_cache_poly_context * pctx;
 
-    // per-head groups fill their mask input themselves ([n_kv, n_tokens, 1, n_head_kv]); nullptr for the others.
-    // Pooled groups: head_masks[g] is [n_kv*n_head_kv, n_tokens] and owner_masks[g] [n_kv*n_head_kv, 1, n_head_kv]
+    // per-head groups fill their mask input themselves ([n_kv, n_tokens, 1, n_head_kv], the group's kq mask);
+    // nullptr for the others. Pooled groups: head_masks[g] is [n_kv*n_head_kv, n_tokens] and owner_masks[g]
+    // [n_kv*n_head_kv, 1, n_head_kv], added into the kq mask [n_kv*n_head_kv, n_tokens*n_head_kv]
     std::vector<ggml_tensor *> head_masks;
     std::vector<ggml_tensor *> owner_masks;
 
@@ -611,7 +612,6 @@ public:
     // RoPE by -p undoes the one by p) and the positions as floats ([1, 1, n_tokens]: which queries count)
     ggml_tensor * ea_neg_pos = nullptr;
     ggml_tensor * ea_pos_f   = nullptr;
-    uint32_t n_head = 0;
 
     std::vector<std::unique_ptr<llm_graph_input_attn_kv>> groups;
 
@@ -679,8 +679,10 @@ void llama_polykv_build_scores(
                float   kq_scale,
              int32_t   il);
 
-// llm_graph_context::build_attn, before the score branch: a pooled group's K and V ([d, n_head_kv, n_kv] views of
-// the cache) become views of its slots as one KV head ([d, 1, n_kv*n_head_kv]); other layers keep theirs
+// llm_graph_context::build_attn, before the score branch: the K and V of a per-head group ([d, n_head_kv, n_kv] views
+// of the cache) become its KV heads as streams ([d, 1, n_kv, n_head_kv]), those of a pooled group its slots as one KV
+// head ([d, 1, n_kv*n_head_kv]); so a mask has one head slice (CUDA's flash attention takes no other); other layers
+// keep theirs
 void llama_polykv_view_kv(
         ggml_context * ctx0,
         const llm_graph_input_attn_kv_poly * inp,
@@ -688,9 +690,10 @@ void llama_polykv_view_kv(
          ggml_tensor * & k,
          ggml_tensor * & v);
 
-// llm_graph_context::build_attn, after the score branch: a pooled group's queries reordered so that query head i'
-// belongs to KV head i' % n_head_kv (the mask's slice for it: ggml tiles a mask of fewer heads), and the attention
-// output put back in the model's head order; identities for other layers
+// llm_graph_context::build_attn, after the score branch: the queries of a per-head or pooled group as rows
+// ([d, n_head/n_head_kv, n_tokens*n_head_kv], KV head g's query heads in the g-th block of n_tokens rows: the
+// streams of build_attn_mha, or a pooled mask's rows), and the attention output put back in the model's head order;
+// identities for other layers and for one KV head
 ggml_tensor * llama_polykv_attn_q(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * q);
 ggml_tensor * llama_polykv_attn_out(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * cur);
 
