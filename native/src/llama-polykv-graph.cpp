@@ -422,7 +422,7 @@ void llama_polykv_build_scores(
     GGML_ASSERT(!grp.pooled || !grp.layer_scores());
     const int64_t rk_sum = grp.pooled ? n_head : n_head / grp.n_head_kv;
     ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
-    ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3);                       // [d, n_kv, n_head_kv]
+    ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3); // [d, n_kv, n_head_kv] (streams: [d, n_kv, 1, n_head_kv])
     ggml_tensor * m = nullptr;
     if (grp.per_head && grp.n_head_kv > 1) {
         // the KV heads as streams, as the attention (llama_polykv_view_kv): the query heads of KV head g and its
