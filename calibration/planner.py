@@ -40,6 +40,7 @@ def phase_plan_for(pattern: P.Pattern, budget: int | None):
     pk = getattr(pattern, "pool_kernel", None) if name in plan_mod.POOLED_PATTERNS else None
     if name not in ("snapkv", "pyramidkv") and pk == 1:
         pk = None  # no pooling: the plan leaves the key out, as before pooling applied to them
+    shift = (getattr(pattern, "pool_shift", 0) or None) if pk is not None else None
     if name == "streamingllm":
         window = None
         n_sink = min(n_sink, max(0, budget - 1))
@@ -50,7 +51,8 @@ def phase_plan_for(pattern: P.Pattern, budget: int | None):
             window = min(window, room)
         if obs is not None:
             obs = max(1, min(obs, room))
-    return plan_mod.PhasePlan(name, budget=budget, n_sink=n_sink, window=window, obs_window=obs, pool_kernel=pk)
+    return plan_mod.PhasePlan(name, budget=budget, n_sink=n_sink, window=window, obs_window=obs, pool_kernel=pk,
+                                 pool_shift=shift)
 
 
 def pyramid_weights(n: int, budget: int, b_min: int, beta: int = 20) -> list[Fraction]:

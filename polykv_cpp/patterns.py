@@ -89,26 +89,32 @@ def reduce_heads(attn: np.ndarray) -> np.ndarray:
     return attn.mean(axis=-3)
 
 
-def pool1d(x: np.ndarray, kernel: int, mode: str = "max") -> np.ndarray:
+def pool1d(x: np.ndarray, kernel: int, mode: str = "max", shift: int = 0) -> np.ndarray:
     """1-D pooling along the last axis, stride 1, 'same' output length, odd ``kernel``.
 
     ``max``: maximum over ``x[i-k//2 .. i+k//2]`` clipped to the valid range (torch ``max_pool1d`` with
     ``padding=k//2``, i.e. padding never wins). ``avg``: sum over the same neighbourhood with zero padding,
     divided by ``kernel`` (torch ``avg_pool1d`` with ``count_include_pad=True``). ``kernel == 1`` is identity.
+    ``shift`` s (``|s| <= k//2``) moves every window s places back: ``x[i-k//2-s .. i+k//2-s]``, so a high score
+    reaches ``k//2 + s`` positions after its token and ``k//2 - s`` before it (the value that follows a key).
     """
     x = np.asarray(x, dtype=np.float64)
     if kernel < 1 or kernel % 2 == 0:
         raise ValueError(f"pool_kernel must be a positive odd integer, got {kernel}")
+    r = kernel // 2
+    if abs(shift) > r:
+        raise ValueError(f"pool_shift must be within +-pool_kernel // 2 = {r}, got {shift}")
     if kernel == 1 or x.shape[-1] == 0:
         return x.copy()
-    r = kernel // 2
     n = x.shape[-1]
     pad_val = -np.inf if mode == "max" else 0.0
     if mode not in ("max", "avg"):
         raise ValueError(f"pooling must be 'max' or 'avg', got {mode!r}")
-    pad = np.full(x.shape[:-1] + (r,), pad_val)
+    m = r + abs(shift)
+    pad = np.full(x.shape[:-1] + (m,), pad_val)
     xp = np.concatenate([pad, x, pad], axis=-1)
-    win = np.lib.stride_tricks.sliding_window_view(xp, kernel, axis=-1)[..., :n, :]
+    start = abs(shift) - shift
+    win = np.lib.stride_tricks.sliding_window_view(xp, kernel, axis=-1)[..., start:start + n, :]
     return win.max(axis=-1) if mode == "max" else win.sum(axis=-1) / kernel
 
 
@@ -264,8 +270,8 @@ class SnapKV(Pattern):
 
     Observation window = the last ``obs_window`` queries. Score of every key = sum over the window's
     queries of the head-mean attention probability, then 1-D pooling over positions (``pool_kernel``,
-    ``pooling`` max or avg, see :func:`pool1d`) computed over all keys of the cache (window keys included in
-    the pooling input). Protected: the last ``w = min(max(window or 0, obs_window), budget)`` keys (the
+    ``pooling`` max or avg, see :func:`pool1d`; ``pool_shift`` > 0 spreads a score further after its token than
+    before it) computed over all keys of the cache (window keys included in the pooling input). Protected: the last ``w = min(max(window or 0, obs_window), budget)`` keys (the
     window itself; ``window`` as in the plan format, ``reserved = n_sink + max(window, obs_window)``) and the
     first ``min(n_sink, budget - w)`` keys; the best other keys fill the budget. Decode: the rows are the observation ring buffer of
     :func:`simulate`. Limits: query-aware by construction (strong when the question ends the prompt, weaker
@@ -274,6 +280,7 @@ class SnapKV(Pattern):
 
     obs_window: int = 32
     pool_kernel: int = 7
+    pool_shift: int = 0
     pooling: str = "max"
     window: int | None = 32
     n_sink: int = 0
@@ -285,7 +292,7 @@ class SnapKV(Pattern):
         rows = reduce_heads(attn)
         rows = rows[..., -self.obs_window:, :] if self.obs_window > 0 else rows[..., :0, :]
         sc = rows.sum(axis=-2)
-        sc = pool1d(sc, self.pool_kernel, self.pooling)
+        sc = pool1d(sc, self.pool_kernel, self.pooling, self.pool_shift)
         return _protect(sc, budget, self.n_sink, max(self.window or 0, self.obs_window))
 
 
@@ -389,6 +396,7 @@ class KVzip(Pattern):
     n_sink: int = 4
     window: int = 0
     pool_kernel: int = 1
+    pool_shift: int = 0
     name: ClassVar[str] = "kvzip"
     needs_attention: ClassVar[bool] = True
     query_rows: ClassVar[str] = "reconstruction"
@@ -398,7 +406,8 @@ class KVzip(Pattern):
         attn = np.asarray(attn, dtype=np.float64)
         if attn.ndim < 3:
             raise ValueError("attention must be [..., n_head, n_query, n_key]")
-        return _protect(pool1d(attn.max(axis=(-3, -2)), self.pool_kernel), budget, self.n_sink, self.window)
+        sc = pool1d(attn.max(axis=(-3, -2)), self.pool_kernel, shift=self.pool_shift)
+        return _protect(sc, budget, self.n_sink, self.window)
 
 
 @dataclass(frozen=True)
@@ -471,6 +480,7 @@ class ExpectedAttention(Pattern):
     n_sink: int = 4
     window: int = 0
     pool_kernel: int = 1
+    pool_shift: int = 0
     name: ClassVar[str] = "expected_attention"
     needs_keys: ClassVar[bool] = True
     query_rows: ClassVar[str] = "statistics"
@@ -499,7 +509,7 @@ class ExpectedAttention(Pattern):
     def scores(self, budget, n_key, *, attn=None, keys=None, acc=None, stats=None):
         if stats is None:
             raise ValueError("expected_attention needs stats (QueryStatistics)")
-        sc = pool1d(self.head_scores(keys, stats).mean(axis=0), self.pool_kernel)
+        sc = pool1d(self.head_scores(keys, stats).mean(axis=0), self.pool_kernel, shift=self.pool_shift)
         return _protect(sc, budget, self.n_sink, self.window)
 
 
@@ -534,7 +544,7 @@ def get_pattern(name: str, *, ignore_unknown: bool = False, **params: Any) -> Pa
 
 def pattern_from_phase_plan(phase: Any) -> Pattern:
     """Build the pattern of a plan's ``PhasePlan`` (fields ``pattern``, ``n_sink``, ``window``,
-    ``obs_window``, ``pool_kernel``; the ones the pattern does not use are ignored).
+    ``obs_window``, ``pool_kernel``, ``pool_shift``; the ones the pattern does not use are ignored).
 
     The plan format's ``None`` means "not used", not "default": ``window=None`` -> no recent window (0;
     StreamingLLM ignores it), ``pool_kernel=None`` -> no pooling (1). ``n_sink`` and ``obs_window`` are taken
@@ -547,6 +557,7 @@ def pattern_from_phase_plan(phase: Any) -> Pattern:
         params["window"] = 0 if w is None else w
     pk = getattr(phase, "pool_kernel", None)
     params["pool_kernel"] = 1 if pk is None else pk
+    params["pool_shift"] = getattr(phase, "pool_shift", None) or 0
     return get_pattern(name, ignore_unknown=True, **params)
 
 

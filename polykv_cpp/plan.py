@@ -143,7 +143,7 @@ POOLED_PATTERNS: tuple[str, ...] = ("snapkv", "pyramidkv", "kvzip", "expected_at
 _SHARE_TOL = 1e-6
 #: the native runtime keeps counts in int32: larger numbers are refused by both parsers
 INT32_MAX = 2**31 - 1
-_PARAM_KEYS = ("n_sink", "window", "obs_window", "pool_kernel")
+_PARAM_KEYS = ("n_sink", "window", "obs_window", "pool_kernel", "pool_shift")
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -254,6 +254,9 @@ class PhasePlan:
         obs_window: SnapKV/PyramidKV observation window (last queries used for scoring; kept).
         pool_kernel: 1-D max-pooling kernel over positions (odd) of SnapKV/PyramidKV/KVzip/Expected Attention
             scores, None = no pooling.
+        pool_shift: the pooling window moved back by this many places (``|pool_shift| <= pool_kernel // 2``):
+            a high score then reaches ``pool_kernel // 2 + pool_shift`` tokens after its own and
+            ``pool_kernel // 2 - pool_shift`` before (:func:`polykv_cpp.patterns.pool1d`); None = 0.
         selection: "layer" (one token set per layer, shared by its KV heads), "head" (each KV head keeps its
             own ``budget`` tokens by its own scores) or "adaptive" (the layer's ``n_head_kv x budget`` (head, token)
             pairs go to the best-scored ones, at least ``max(1, budget // 5)`` per head; Ada-KV); :data:`PER_HEAD_PATTERNS`
@@ -267,6 +270,7 @@ class PhasePlan:
     window: int | None = None
     obs_window: int | None = None
     pool_kernel: int | None = None
+    pool_shift: int | None = None
     selection: str = "layer"
 
     @property
@@ -293,7 +297,7 @@ class PhasePlan:
             d["budget"] = self.budget
         if not self.is_full:
             d["n_sink"] = self.n_sink
-            for k in ("window", "obs_window", "pool_kernel"):
+            for k in ("window", "obs_window", "pool_kernel", "pool_shift"):
                 v = getattr(self, k)
                 if v is not None:
                     d[k] = v
@@ -1066,6 +1070,11 @@ def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:
         raise PlanError(f"{where}: {pp.pattern} needs obs_window (the observation window)")
     if pp.pool_kernel is not None and (not _is_int(pp.pool_kernel) or pp.pool_kernel < 1 or pp.pool_kernel % 2 == 0):
         raise PlanError(f"{where}: pool_kernel must be an odd integer >= 1 (got {pp.pool_kernel!r})")
+    if pp.pool_shift is not None:
+        reach = (pp.pool_kernel or 1) // 2
+        if not _is_int(pp.pool_shift) or abs(pp.pool_shift) > reach:
+            raise PlanError(f"{where}: pool_shift must be an integer from -{reach} to {reach} (pool_kernel // 2; "
+                            f"got {pp.pool_shift!r})")
     if pp.selection not in SELECTIONS:
         raise PlanError(f"{where}: selection must be one of {', '.join(SELECTIONS)} (got {pp.selection!r})")
 
@@ -1088,17 +1097,27 @@ def split_selection(name: str) -> tuple[str, str]:
 
 
 def split_method(name: str) -> tuple[str, str, dict[str, int]]:
-    """A uniform method's name: a pattern, an optional unit suffix and an optional pooling kernel after ``@``:
-    ``"snapkv-head@23"`` -> ``("snapkv", "head", {"pool_kernel": 23})``, ``"snapkv"`` -> ``("snapkv", "layer", {})``
-    (the names the evaluation and the runtime search use for variants of the default parameters)."""
-    head, at, kernel = name.partition("@")
+    """A uniform method's name: a pattern, an optional unit suffix and an optional pooling kernel after ``@``,
+    itself with an optional shift after ``+`` or ``-``: ``"snapkv-head@23"`` -> ``("snapkv", "head",
+    {"pool_kernel": 23})``, ``"snapkv@23+8"`` -> ``("snapkv", "layer", {"pool_kernel": 23, "pool_shift": 8})``,
+    ``"snapkv"`` -> ``("snapkv", "layer", {})`` (the names the evaluation and the runtime search use for variants
+    of the default parameters)."""
+    head, at, pooling = name.partition("@")
     base, selection = split_selection(head)
     if not at:
         return base, selection, {}
-    if base not in POOLED_PATTERNS or not kernel.isdigit() or int(kernel) % 2 == 0:
+    sign = "+" if "+" in pooling else "-"
+    kernel, has_shift, shift = pooling.partition(sign)
+    valid = (base in POOLED_PATTERNS and kernel.isdigit() and int(kernel) % 2 == 1
+             and (not has_shift or (shift.isdigit() and int(shift) <= int(kernel) // 2)))
+    if not valid:
         raise PlanError(f"unknown method {name!r}: '@K' sets the odd pooling kernel K of "
-                        f"{', '.join(POOLED_PATTERNS)} (e.g. snapkv@23)")
-    return base, selection, {"pool_kernel": int(kernel)}
+                        f"{', '.join(POOLED_PATTERNS)} (e.g. snapkv@23), '@K+S' also moves its window S <= K // 2 "
+                        "places to the tokens after a high score (snapkv@23+8)")
+    params = {"pool_kernel": int(kernel)}
+    if has_shift and int(shift):
+        params["pool_shift"] = int(shift) if sign == "+" else -int(shift)
+    return base, selection, params
 
 
 def method_plan(n_layer: int, method: str, budget: int, **kwargs: Any) -> Plan:
@@ -1122,7 +1141,7 @@ def _phase(pattern: str, budget: int | None, params: Mapping[str, Any], selectio
     p = {**DEFAULT_PARAMS.get(pattern, {}), **params}
     return PhasePlan(pattern, budget=budget, n_sink=p.get("n_sink") or 0, window=p.get("window"),
                      obs_window=p.get("obs_window"), pool_kernel=p.get("pool_kernel"),
-                     selection=selection if pattern in PER_HEAD_PATTERNS else "layer")
+                     pool_shift=p.get("pool_shift") or None, selection=selection if pattern in PER_HEAD_PATTERNS else "layer")
 
 
 def uniform_plan(n_layer: int, pattern: str, budget: int, *, decode_pattern: str | None = None,

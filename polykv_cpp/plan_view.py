@@ -30,7 +30,7 @@ def _fmt_params(pp: Any) -> str:
     if pp.obs_window is not None:
         bits.append(f"obs={pp.obs_window}")
     if pp.pool_kernel is not None:
-        bits.append(f"pool={pp.pool_kernel}")
+        bits.append(f"pool={pp.pool_kernel}" + (f"{pp.pool_shift:+d}" if pp.pool_shift else ""))
     return ",".join(bits)
 
 

@@ -809,9 +809,10 @@ def test_per_head_baselines_run_beside_the_per_layer_ones(tiny_gguf, tmp_path):
 
 def test_pooling_variants_are_baselines_with_their_kernel(tiny_gguf, tmp_path):
     """`snapkv@15` and `snapkv-head@15` are the uniform baselines with pooling kernel 15 (the rest of the defaults
-    kept); an even kernel, or a kernel on a pattern that does not pool, is an unknown method."""
+    kept), `snapkv@15+4` with its window moved 4 places; an even kernel, a shift beyond half the kernel, or a kernel
+    on a pattern that does not pool, is an unknown method."""
     cfg = EvalConfig(model=str(tiny_gguf), out_dir=str(tmp_path / "out"),
-                     methods=["fullkv", "snapkv", "snapkv@15", "snapkv-head@15", "pyramidkv@3"],
+                     methods=["fullkv", "snapkv", "snapkv@15", "snapkv-head@15", "pyramidkv@3", "snapkv@15+4"],
                      **{**TINY_BASE, "budgets": [48], "tasks": ["niah_single"], "n_samples": 1})
     ev = Evaluator(cfg, log=lambda m: None)
     ev.setup()
@@ -824,7 +825,10 @@ def test_pooling_variants_are_baselines_with_their_kernel(tiny_gguf, tmp_path):
             assert lp.prefill.obs_window == 32 and lp.prefill.budget == 48
     assert plans["pyramidkv@3"].layers[0].prefill.pool_kernel == 3
     assert plans["pyramidkv@3"].layers[0].prefill.budget > plans["pyramidkv@3"].layers[-1].prefill.budget
-    for bad in ("snapkv@14", "h2o@15", "snapkv@x"):
+    assert plans["snapkv"].layers[0].prefill.pool_shift is None
+    for lp in plans["snapkv@15+4"].layers:
+        assert (lp.prefill.pool_kernel, lp.prefill.pool_shift, lp.decode.pool_shift) == (15, 4, 4)
+    for bad in ("snapkv@14", "h2o@15", "snapkv@x", "snapkv@15+8", "snapkv@15+"):
         ev = Evaluator(EvalConfig(**{**cfg.__dict__, "methods": ["fullkv", bad]}), log=lambda m: None)
         with pytest.raises(EvalError, match="unknown method"):
             ev.setup()

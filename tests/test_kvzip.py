@@ -42,13 +42,13 @@ def recon_attn(twin, tokens):
 
 
 def kvzip_plan(il: int, selection: str = "layer", budget: int = B_PREFILL, decode_budget: int = B_DECODE,
-               pool_kernel: int | None = None) -> plan_mod.Plan:
+               pool_kernel: int | None = None, pool_shift: int | None = None) -> plan_mod.Plan:
     """Layer il: kvzip prefill, SnapKV decode; the other layer FullKV."""
     layers = []
     for j in range(CFG.n_layer):
         if j == il:
             pre = plan_mod.PhasePlan("kvzip", budget=budget, n_sink=1, window=2, selection=selection,
-                                     pool_kernel=pool_kernel)
+                                     pool_kernel=pool_kernel, pool_shift=pool_shift)
             dec = plan_mod.PhasePlan("snapkv", budget=decode_budget, selection=selection, **PHASE_PARAMS["snapkv"])
         else:
             pre, dec = plan_mod.PhasePlan("fullkv"), plan_mod.PhasePlan("fullkv")
@@ -95,13 +95,14 @@ def test_kvzip_kept_positions_equal_reference(twin, tokens, hf_reference, recon_
             assert kept[step + 1][h] == ref[h].decode_kept[step].tolist(), f"head {h} after decode step {step + 1}"
 
 
+@pytest.mark.parametrize("shift", [None, 2])
 @pytest.mark.parametrize("selection", ["layer", "head"])
-def test_pooled_kvzip_keeps_what_the_pooled_reference_keeps(twin, tokens, hf_reference, recon_attn, selection):
-    """`pool_kernel` 5 max-pools the reconstruction scores over neighbouring positions, natively as in the
-    reference; the kept set differs from the unpooled one."""
+def test_pooled_kvzip_keeps_what_the_pooled_reference_keeps(twin, tokens, hf_reference, recon_attn, selection, shift):
+    """`pool_kernel` 5 max-pools the reconstruction scores over neighbouring positions (with `pool_shift` 2: the 4
+    after a token and none before), natively as in the reference; the kept set differs from the unpooled one."""
     _, path = twin
     layer = 1
-    plan = kvzip_plan(layer, selection, pool_kernel=5)
+    plan = kvzip_plan(layer, selection, pool_kernel=5, pool_shift=shift)
     kept, _ = run_kvzip(path, plan, tokens, layer)
     ref = reference(hf_reference, recon_attn, plan, layer)
     unpooled = reference(hf_reference, recon_attn, kvzip_plan(layer, selection), layer)

@@ -133,6 +133,24 @@ def test_pool1d_matches_torch_semantics():
         np.testing.assert_allclose(P.pool1d(y, k, "avg"), av, rtol=1e-12)
 
 
+@pytest.mark.parametrize("kernel,shift", [(3, 1), (3, -1), (7, 3), (7, -2), (23, 8), (23, 11)])
+def test_shifted_pooling_takes_the_window_before_each_token(kernel, shift):
+    """``shift`` s: position i takes the best of ``x[i-k//2-s .. i+k//2-s]`` (clipped), so a high score reaches
+    ``k//2 + s`` tokens after its own and ``k//2 - s`` before it."""
+    rng = np.random.default_rng([kernel, shift + kernel])
+    y = rng.random((2, 31))
+    r = kernel // 2
+    want = np.array([[max(row[max(0, i - r - shift):max(0, min(31, i + r - shift + 1))], default=-np.inf)
+                      for i in range(31)] for row in y])
+    np.testing.assert_array_equal(P.pool1d(y, kernel, "max", shift), want)
+    spike = np.zeros(60)
+    spike[20] = 1.0
+    reached = np.flatnonzero(P.pool1d(spike, kernel, "max", shift))
+    assert (reached.min(), reached.max()) == (20 - (r - shift), 20 + r + shift)
+    with pytest.raises(ValueError):
+        P.pool1d(y, kernel, "max", r + 1)
+
+
 def test_tova_last_query_head_mean():
     n = 6
     attn = np.zeros((2, 3, n))

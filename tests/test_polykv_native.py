@@ -143,6 +143,34 @@ def test_wide_pooling_kernels_equal_reference(twin, tokens, hf_reference, patter
         assert kept[step + 1] == ref.decode_kept[step].tolist(), f"after decode step {step + 1}"
 
 
+@pytest.mark.parametrize("kernel,shift", [(7, 3), (7, -3), (23, 8)])
+@pytest.mark.parametrize("pattern", ["snapkv", "pyramidkv"])
+def test_shifted_pooling_equals_reference(twin, tokens, hf_reference, pattern, kernel, shift):
+    """``pool_shift``: the pooling window moved towards the tokens after a high score, natively as in the
+    reference, after the prompt and after every decode step; the kept set is not the centred kernel's."""
+    _, path = twin
+    layer = 1
+
+    def plan_for(s):
+        params = dict(PHASE_PARAMS[pattern], pool_kernel=kernel, pool_shift=s or None)
+        plan = one_layer_plan(layer, pattern)
+        plan.layers[layer] = plan_mod.LayerPlan(layer, plan_mod.PhasePlan(pattern, budget=B_PREFILL, **params),
+                                                plan_mod.PhasePlan(pattern, budget=B_DECODE, **params))
+        return plan.validate()
+
+    plan = plan_for(shift)
+    kept, _ = run_native(path, plan, tokens, layer)
+    logp, keys = hf_reference[layer]
+    refs = [simulate(logp, P, prefill=pattern_from_phase_plan(p.layers[layer].prefill), prefill_budget=B_PREFILL,
+                     decode=pattern_from_phase_plan(p.layers[layer].decode), decode_budget=B_DECODE, keys=keys)
+            for p in (plan, plan_for(0))]
+    assert refs[0].prefill_kept.tolist() != refs[1].prefill_kept.tolist() or \
+        any(a.tolist() != b.tolist() for a, b in zip(refs[0].decode_kept, refs[1].decode_kept))
+    assert kept[0] == refs[0].prefill_kept.tolist(), "after prefill"
+    for step in range(N):
+        assert kept[step + 1] == refs[0].decode_kept[step].tolist(), f"after decode step {step + 1}"
+
+
 @pytest.mark.parametrize("pattern", sorted(PHASE_PARAMS))
 def test_exact_prefill_mode_equals_reference_for_a_prompt_of_several_ubatches(twin, tokens, hf_reference, pattern):
     """n_ubatch 16: the 40-token prompt is three ubatches; exact mode compresses it once, as the reference."""

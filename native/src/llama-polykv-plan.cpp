@@ -163,7 +163,8 @@ static void parse_phase(const json & pj, llama_polykv_phase_plan & pp, int32_t b
     if (!pj.is_object()) {
         throw std::runtime_error(where + ": expected an object");
     }
-    check_keys(pj, { "pattern", "budget", "share", "selection", "n_sink", "window", "obs_window", "pool_kernel" }, where);
+    check_keys(pj, { "pattern", "budget", "share", "selection", "n_sink", "window", "obs_window", "pool_kernel",
+                     "pool_shift" }, where);
     if (!pj.contains("pattern") || !pj.at("pattern").is_string() ||
         !pattern_from_name(pj.at("pattern").get<std::string>(), pp.pattern)) {
         throw std::runtime_error(where + ": unknown pattern " + (pj.contains("pattern") ? pj.at("pattern").dump() : std::string("(none)")));
@@ -179,7 +180,7 @@ static void parse_phase(const json & pj, llama_polykv_phase_plan & pp, int32_t b
     if (has_share && !pj.at("share").is_number()) {
         throw std::runtime_error(where + ": share must be a number");
     }
-    for (const char * k : { "n_sink", "window", "obs_window", "pool_kernel" }) {
+    for (const char * k : { "n_sink", "window", "obs_window", "pool_kernel", "pool_shift" }) {
         if (pj.contains(k) && !pj.at(k).is_null() && !pj.at(k).is_number_integer()) {
             throw std::runtime_error(where + ": " + k + " must be an integer");
         }
@@ -228,6 +229,12 @@ static void parse_phase(const json & pj, llama_polykv_phase_plan & pp, int32_t b
     pp.pool_kernel = get_int(pj, "pool_kernel", 1, where, 1);
     if (pp.pool_kernel % 2 == 0) {
         throw std::runtime_error(where + ": pool_kernel must be a positive odd number");
+    }
+    const int32_t reach = pp.pool_kernel / 2;
+    pp.pool_shift = get_int(pj, "pool_shift", 0, where, -(int64_t) INT32_MAX);
+    if (pp.pool_shift < -reach || pp.pool_shift > reach) {
+        throw std::runtime_error(where + ": pool_shift must be from -" + std::to_string(reach) + " to " +
+                                 std::to_string(reach) + " (pool_kernel / 2)");
     }
 }
 

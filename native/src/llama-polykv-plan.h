@@ -51,6 +51,7 @@ struct llama_polykv_phase_plan {
     int32_t window      = 0;
     int32_t obs_window  = 32;
     int32_t pool_kernel = 1;
+    int32_t pool_shift  = 0;    // the pooling window moved back by this many places, |pool_shift| <= pool_kernel / 2
 
     llama_polykv_selection selection = LLAMA_POLYKV_SELECT_LAYER;
 

@@ -298,18 +298,20 @@ static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, in
     }
 }
 
-// as polykv_cpp.patterns.pool1d(x, kernel, "max"): the largest score within kernel / 2 places on either side, so a
-// token next to a high-scored one (the digits after a needle's key) ranks with it. NaN scores count as -inf.
-// Linear in n whatever the kernel (van Herk / Gil-Werman): x padded with -inf by kernel / 2 on both sides is cut
-// into blocks of k = 2 (kernel / 2) + 1; a window of k then spans the end of one block and the start of the next
-static std::vector<double> max_pool(const std::vector<double> & x, int32_t kernel) {
+// as polykv_cpp.patterns.pool1d(x, kernel, "max", shift): the largest score within kernel / 2 places on either side
+// of i - shift, so a token after a high-scored one (the digits after a needle's key) ranks with it. NaN scores count as
+// -inf. Linear in n whatever the kernel (van Herk / Gil-Werman): x padded with -inf by kernel / 2 + |shift| on both
+// sides is cut into blocks of k = 2 (kernel / 2) + 1; a window of k then spans the end of one block and the start of
+// the next
+static std::vector<double> max_pool(const std::vector<double> & x, int32_t kernel, int32_t shift) {
     const int32_t n = x.size();
     const int32_t h = kernel / 2;
     const int32_t k = 2*h + 1;
-    const int32_t m = n + 2*h;
+    const int32_t margin = h + std::abs(shift);
+    const int32_t m = n + 2*margin;
     std::vector<double> pad(m, -INFINITY);
     for (int32_t i = 0; i < n; ++i) {
-        pad[h + i] = std::isnan(x[i]) ? -INFINITY : x[i];
+        pad[margin + i] = std::isnan(x[i]) ? -INFINITY : x[i];
     }
     std::vector<double> from_start(m); // the largest from its block's start to j
     std::vector<double> to_end(m);     // the largest from j to its block's end
@@ -326,7 +328,8 @@ static std::vector<double> max_pool(const std::vector<double> & x, int32_t kerne
     }
     std::vector<double> out(n);
     for (int32_t i = 0; i < n; ++i) {
-        out[i] = std::max(to_end[i], from_start[i + 2*h]); // the window [i, i + 2h] of pad
+        const int32_t a = i + margin - h - shift; // the window [a, a + 2h] of pad
+        out[i] = std::max(to_end[a], from_start[a + 2*h]);
     }
     return out;
 }
@@ -376,7 +379,7 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
                         }
                     }
                 }
-                sc = max_pool(raw, pp.pool_kernel);
+                sc = max_pool(raw, pp.pool_kernel, pp.pool_shift);
             } break;
         case LLAMA_POLYKV_KVZIP:
             for (int32_t i = 0; i < n; ++i) {
@@ -397,7 +400,7 @@ static std::vector<double> pattern_scores(const llama_kv_cache_poly::group & grp
             break;
     }
     if (pp.pool_kernel > 1 && (pp.pattern == LLAMA_POLYKV_KVZIP || pp.pattern == LLAMA_POLYKV_EXPECTED_ATTENTION)) {
-        sc = max_pool(sc, pp.pool_kernel);
+        sc = max_pool(sc, pp.pool_kernel, pp.pool_shift);
     }
     return sc;
 }
