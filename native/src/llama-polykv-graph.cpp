@@ -283,7 +283,7 @@ void llama_polykv_view_kv(
          ggml_tensor * & v) {
     const auto * poly = inp->pctx->get_poly();
     const auto & grp = poly->get_group(poly->group_of(il));
-    if (!grp.per_head || grp.n_head_kv == 1) {
+    if (!grp.heads_apart()) {
         return;
     }
     // k, v: [d, n_head_kv, n_kv] views of rows of n_head_kv heads (V transposed: [n_kv, n_head_kv, d])
@@ -321,7 +321,7 @@ static ggml_tensor * heads_to_rows(ggml_context * ctx0, ggml_tensor * x, int64_t
 ggml_tensor * llama_polykv_attn_q(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * q) {
     const auto * poly = inp->pctx->get_poly();
     const auto & grp = poly->get_group(poly->group_of(il));
-    if (!grp.per_head || grp.n_head_kv == 1) {
+    if (!grp.heads_apart()) {
         return q;
     }
     GGML_ASSERT(q->ne[1] % grp.n_head_kv == 0 && q->ne[3] == 1);
@@ -331,7 +331,7 @@ ggml_tensor * llama_polykv_attn_q(ggml_context * ctx0, const llm_graph_input_att
 ggml_tensor * llama_polykv_attn_out(ggml_context * ctx0, const llm_graph_input_attn_kv_poly * inp, int32_t il, ggml_tensor * cur) {
     const auto * poly = inp->pctx->get_poly();
     const auto & grp = poly->get_group(poly->group_of(il));
-    if (!grp.per_head || grp.n_head_kv == 1) {
+    if (!grp.heads_apart()) {
         return cur;
     }
     // cur: [d*rk, n_tokens*n_head_kv], the rows of llama_polykv_attn_q
@@ -424,7 +424,7 @@ void llama_polykv_build_scores(
     ggml_tensor * qs = ggml_view_3d(ctx0, q, q->ne[0], q->ne[1], n_rows, q->nb[1], q->nb[2], (n_tokens - n_rows)*q->nb[2]);
     ggml_tensor * ks = ggml_permute(ctx0, k, 0, 2, 1, 3); // [d, n_kv, n_head_kv] (streams: [d, n_kv, 1, n_head_kv])
     ggml_tensor * m = nullptr;
-    if (grp.per_head && grp.n_head_kv > 1) {
+    if (grp.heads_apart()) {
         // the KV heads as streams, as the attention (llama_polykv_view_kv): the query heads of KV head g and its
         // mask slice in stream g; a pooled mask is [n_slots, n_tokens*n_head_kv], KV head g's rows the g-th block
         const int64_t nh = grp.n_head_kv;

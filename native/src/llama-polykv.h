@@ -74,6 +74,8 @@ public:
         bool pooled = false;
         std::vector<uint8_t> howner;
         uint32_t owner_of(size_t u) const { return pooled ? howner[u] : (uint32_t) (u / capacity); }
+        // the attention takes each KV head apart: as a stream (per head) or as a block of query rows (pooled slots)
+        bool heads_apart() const { return per_head && n_head_kv > 1; }
 
         // per-cell score state of attention/key based patterns (groups of one layer), in slots of capacity
         // cells: the layer's (slot 0, layer selection), each KV head's (head_off(h), per-head selection), or
