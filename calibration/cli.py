@@ -12,8 +12,8 @@ from typing import Any
 
 from polykv_cpp.errors import CalibrationError
 
-from calibration.core import (CALIBRATED_EVICT_EVERY, CALIBRATED_POOL_KERNEL, DEFAULT_CTX, DEFAULT_N_CONT,
-                              DEFAULT_PATTERNS, DEFAULT_SAMPLES, RUNTIME_PATTERNS)
+from calibration.core import (CALIBRATED_EVICT_EVERY, CALIBRATED_POOL_KERNEL, CALIBRATED_POOL_SHIFT, DEFAULT_CTX,
+                              DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES, RUNTIME_PATTERNS)
 from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, OBJECTIVES, TASKS_DATASET
 
 PROTOCOL_CHOICES = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),
@@ -131,10 +131,12 @@ def register_cli(subparsers: Any) -> None:
                    f"sample whose queries are scored (default {DEFAULT_N_CONT})")
     p.add_argument("--patterns", default=None, help="candidate patterns, comma-separated (default "
                    f"{','.join(DEFAULT_PATTERNS)}, runtime: {','.join(RUNTIME_PATTERNS)}; also pyramidkv, fullkv; "
-                   "runtime: per-head variants such as snapkv-head and pooling kernels such as snapkv@23)")
+                   "runtime: per-head variants such as snapkv-head and pooling windows such as snapkv@23 or "
+                   "snapkv@15+4)")
     p.add_argument("--param", action="append", metavar="PATTERN.KEY=VALUE",
                    help="pattern parameter, e.g. snapkv.obs_window=16 (repeatable; snapkv and pyramidkv pool over "
-                   f"{CALIBRATED_POOL_KERNEL} positions unless snapkv.pool_kernel is given)")
+                   f"{CALIBRATED_POOL_KERNEL} positions moved {CALIBRATED_POOL_SHIFT} after a score unless "
+                   "snapkv.pool_kernel is given)")
     p.add_argument("--phases", default="prefill,decode", help="phases to calibrate (default prefill,decode; a "
                    "phase left out copies the other's choice)")
     p.add_argument("--b-min", type=int, default=None, help="minimum budget per layer (default max(budget/4, "

@@ -282,7 +282,7 @@ class _Measure:
 def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget: int, b_min: int,
           provenance=None, rule: str = "search"):
     """A plan with `patterns[l]` at `budgets[l]` in both phases (each pattern's default parameters but the
-    pooling kernel of a name such as "snapkv@23")."""
+    pooling window of a name such as "snapkv@23" or "snapkv@15+4")."""
     from polykv_cpp import plan as plan_mod
 
     layers = []

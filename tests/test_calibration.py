@@ -78,20 +78,24 @@ def _run(d: Path, name: str, **kw):
     return calibrate(d / "hf", d / "tiny.gguf", d / f"{name}.gguf", plan_out=d / f"{name}.json", **args)
 
 
-def test_calibrated_plans_pool_snapkv_over_the_calibrated_kernel_unless_told(tiny):
-    """Without --param, snapkv layers of a calibrated plan pool over CALIBRATED_POOL_KERNEL positions (not the
-    baselines' 7); a given snapkv.pool_kernel wins, and the other parameters keep the pattern defaults."""
-    from calibration.core import CALIBRATED_POOL_KERNEL, calibrated_params
+def test_calibrated_plans_pool_snapkv_over_the_calibrated_window_unless_told(tiny):
+    """Without --param, snapkv layers of a calibrated plan pool over CALIBRATED_POOL_KERNEL positions moved
+    CALIBRATED_POOL_SHIFT after a score (not the baselines' 7, centred); a given snapkv.pool_kernel wins and pools
+    centred unless a shift is given too, and the other parameters keep the pattern defaults."""
+    from calibration.core import CALIBRATED_POOL_KERNEL, CALIBRATED_POOL_SHIFT, calibrated_params
 
-    assert calibrated_params(None)["snapkv"] == {"pool_kernel": CALIBRATED_POOL_KERNEL} != {"pool_kernel": 7}
+    calibrated = {"pool_kernel": CALIBRATED_POOL_KERNEL, "pool_shift": CALIBRATED_POOL_SHIFT}
+    assert calibrated_params(None)["snapkv"] == calibrated != {"pool_kernel": 7}
     assert calibrated_params({"snapkv": {"pool_kernel": 3, "window": 4}})["snapkv"] == {"pool_kernel": 3, "window": 4}
+    assert calibrated_params({"snapkv": {"pool_kernel": 9, "pool_shift": -2}})["snapkv"] == \
+        {"pool_kernel": 9, "pool_shift": -2}
     assert calibrated_params({"h2o": {"window": 4}})["h2o"] == {"window": 4}
     d, _ = tiny
     res = _run(d, "pooled", budget=48, b_min=40, patterns=["snapkv"])
     for lp in res.plan.layers:
         for ph in (lp.prefill, lp.decode):
-            assert (ph.pattern, ph.pool_kernel, ph.obs_window) == ("snapkv", CALIBRATED_POOL_KERNEL, 32) or \
-                ph.pattern == "fullkv"
+            assert (ph.pattern, ph.pool_kernel, ph.pool_shift, ph.obs_window) == \
+                ("snapkv", CALIBRATED_POOL_KERNEL, CALIBRATED_POOL_SHIFT, 32) or ph.pattern == "fullkv"
 
 
 def test_calibrated_plans_batch_decode_eviction_unless_told(tiny):
