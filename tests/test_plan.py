@@ -652,3 +652,20 @@ def test_cli_validate(tmp_path, capsys):
     show = P.PLAN_SUBPARSERS.add_parser("show")
     show.set_defaults(func=lambda a: 0)
     assert parser.parse_args(["plan", "show"]).func is not None
+
+
+SHIPPED_PLAN_LAYERS = {"qwen2.5-coder-0.5b-instruct-q4_k_m": 24, "gemma-3-270m-q4_k_m": 18}
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "plans").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_shipped_plans_validate_for_the_model_they_name(path):
+    """Every plan file in plans/ loads and validates, is named after a packaged model and has that model's layer
+    count, one entry per layer in order, and rescales to half its budget."""
+    model = next((m for m in SHIPPED_PLAN_LAYERS if path.name.startswith(m + ".")), None)
+    assert model is not None, f"{path.name} names no packaged model"
+    plan = P.load(path)
+    assert plan.n_layer == SHIPPED_PLAN_LAYERS[model]
+    assert [lp.layer for lp in plan.layers] == list(range(plan.n_layer))
+    half = plan.scaled(max(plan.budget_avg // 2, plan.b_min))
+    assert half.n_layer == plan.n_layer and half.budget_avg == max(plan.budget_avg // 2, plan.b_min)
