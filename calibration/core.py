@@ -56,9 +56,9 @@ def calibrated_params(params: dict[str, dict[str, Any]] | None) -> dict[str, dic
     calibrated = {"pool_kernel": CALIBRATED_POOL_KERNEL, "pool_shift": CALIBRATED_POOL_SHIFT}
     out: dict[str, dict[str, Any]] = {p: dict(calibrated) for p in ("snapkv", "pyramidkv")}
     for name, kv in (params or {}).items():
-        base = out.get(name, {})
-        if "pool_kernel" in kv and "pool_shift" not in kv:
-            base = {k: v for k, v in base.items() if k != "pool_shift"}
+        base = dict(out.get(name, {}))
+        if "pool_kernel" in kv:
+            base.pop("pool_shift", None)
         out[name] = {**base, **kv}
     return out
 
