@@ -394,7 +394,10 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             items, items_n_ctx = text_items(data.samples, n_cont), None
             description = data.description
         m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx, room=room)
+        # a sliding-window layer cannot use more than its window: the start gives the rest to the other layers
+        windows = model.attention_windows()
         n_total = (len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
+                   + (1 if any(windows) else 0)
                    + (1 if budgets_from_scores else 0) + (1 if prompt_budgets else 0))
         bar = None
         if progress:
@@ -409,13 +412,21 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             return r[objective]
 
         steps: list[SearchStep] = []
-        # a sliding-window layer cannot use more than its window: the start gives the rest to the other layers
-        windows = model.attention_windows()
         start = plan_mod.allocate_budgets(n_layer * budget, [1] * n_layer, b_min, windows)
         uniform = {p: measure([p] * n_layer, start, f"uniform {p}") for p in patterns}
         best = min(uniform, key=uniform.get)  # type: ignore[arg-type]
         pats, buds, cur = [best] * n_layer, start, uniform[best]
         steps.append(SearchStep(f"start: uniform {best}", cur, True))
+        if any(windows):
+            # every layer the same share of what it attends to (Plan.span_split): the global layers, the only ones
+            # that reach the start of the prompt, get what the sliding-window layers' windows do not need
+            spans = [min(w, ctx) if w else ctx for w in windows]
+            cand_b = plan_mod.allocate_budgets(n_layer * budget, spans, b_min, windows)
+            loss = measure(pats, cand_b, "budgets by span")
+            ok = loss < cur * (1 - min_gain)
+            steps.append(SearchStep(f"budgets in proportion to the layers' spans: {cand_b}", loss, ok))
+            if ok:
+                buds, cur = cand_b, loss
         if budgets_from_scores:
             # the global rule of KVzip / Ada-KV, learned once: each layer's budget follows its share of the
             # model's best-scored (head, token) pairs on the calibration contexts. The scorer may differ from

@@ -978,6 +978,48 @@ class Plan:
                     prefill_slack=self.prefill_slack, allocation=self.allocation, protect_tail=self.protect_tail,
                     evict_every=self.evict_every)
 
+    def span_split(self, windows: Sequence[int | None], n_ctx: int) -> "Plan":
+        """The plan with each phase's total re-split over its budgeted layers in proportion to their budgets (or
+        shares) times their spans: what each layer attends to, ``min(window, n_ctx)`` for a sliding-window layer
+        (``windows[l]``, ``Model.attention_windows()``) and ``n_ctx`` for the others. Every layer then keeps the same
+        share of what it can see, as a compression ratio does (kvpress's presses on a model whose sliding-window
+        layers cache only their window); the plain split gives a sliding-window layer as many tokens as a global one,
+        its whole window once the budget reaches it, and leaves the global layers, the only ones that reach the
+        start of a long prompt, with the average. The result is share-based (any :meth:`scaled` budget keeps the
+        proportions); ``budget_rule`` gains ``+span`` and ``provenance.extra["span_n_ctx"]`` records ``n_ctx``.
+        Limits: the shares are those of ``n_ctx``: at a longer context the global layers get less than the rule
+        would give there. A model without sliding-window layers gets the plan unchanged.
+        """
+        if len(windows) != self.n_layer:
+            raise PlanError(f"{len(windows)} windows for a plan of {self.n_layer} layers")
+        if not _is_int(n_ctx) or n_ctx < 1:
+            raise PlanError(f"n_ctx must be a positive integer (got {n_ctx!r})")
+        if not any(windows):
+            return self
+        spans = [min(w, n_ctx) if w else n_ctx for w in windows]
+        new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
+        for ph in PHASES:
+            pps = self.phase_plans(ph)
+            budgeted = [i for i, pp in enumerate(pps) if not pp.is_full]
+            if not budgeted:
+                continue
+            if any(pps[i].share is not None for i in budgeted):
+                weights = [(pps[i].share or 0.0) * spans[i] for i in budgeted]
+            else:
+                weights = [(pps[i].budget or 0) * spans[i] for i in budgeted]
+            total = sum(weights)
+            if total <= 0:
+                continue
+            for i, w in zip(budgeted, weights):
+                pp = new_layers[i].phase(ph)
+                pp.budget, pp.share = None, w / total
+        if any(pp.is_full for lp in new_layers for pp in (lp.prefill, lp.decode)) and self.full_charge is None:
+            raise PlanError("a plan with FullKV layers needs full_charge to be split by span")
+        prov = replace(self.provenance, extra=dict(self.provenance.extra))
+        prov.extra["span_n_ctx"] = n_ctx
+        rule = self.budget_rule if self.budget_rule.endswith("+span") else f"{self.budget_rule}+span"
+        return replace(self, layers=new_layers, provenance=prov, budget_rule=rule, exact_total=False).validate()
+
     def tail_applied(self, n_ctx: int | None = None, caps: Sequence[int | None] | None = None) -> "Plan":
         """The plan the runtime runs for :attr:`protect_tail`: every budgeted layer's budget grows by the tail in
         both phases (up to ``n_ctx`` and a sliding-window layer's ``caps[l]``, but never shrinks) and its prefill
@@ -1118,6 +1160,18 @@ def split_method(name: str) -> tuple[str, str, dict[str, int]]:
     if has_shift and int(shift):
         params["pool_shift"] = int(shift) if sign == "+" else -int(shift)
     return base, selection, params
+
+
+#: a uniform method's suffix for its budgets split over layers by their spans (:meth:`Plan.span_split`), on a model
+#: with sliding-window layers: ``"snapkv@15+4~span"``
+SPAN_SUFFIX = "~span"
+
+
+def split_span(method: str) -> tuple[str, bool]:
+    """A method's name without :data:`SPAN_SUFFIX` and whether it had it: ``"snapkv~span"`` -> ``("snapkv", True)``."""
+    if method.endswith(SPAN_SUFFIX):
+        return method[: -len(SPAN_SUFFIX)], True
+    return method, False
 
 
 def method_plan(n_layer: int, method: str, budget: int, **kwargs: Any) -> Plan:

@@ -160,6 +160,8 @@ def test_runtime_search_and_eval_take_adaptive_candidates():
     assert plan.layers[1].prefill.pool_kernel == 23
     assert all(is_baseline(m) for m in ("adakv", "adakv@23", "snapkv-adaptive@23", "knorm-adaptive"))
     assert not any(is_baseline(m) for m in ("streamingllm-adaptive", "adakv@4"))
+    assert all(is_baseline(m) for m in ("snapkv~span", "snapkv@15+4~span", "adakv~span"))
+    assert not any(is_baseline(m) for m in ("polykv~span", "snapkv~spa", "snapkv@14~span"))
     shown = plan_mod.Plan.from_json(plan.to_json())
     from polykv_cpp.plan_view import plan_table
     assert "snapkv/adaptive" in plan_table(shown)

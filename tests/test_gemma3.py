@@ -113,6 +113,28 @@ def test_rescaled_plan_gives_sliding_window_layers_at_most_their_window(gemma):
         assert all(s.capacity <= 512 + 256 for s in stats if s.layer in swa)
 
 
+def test_budgets_split_by_span_on_gemma3(gemma):
+    """Plan.span_split on the real model: the native library resolves the split's shares as Plan.token_budgets and
+    Plan.scaled(caps=...) do, at the plan's budget and at --kv-budget; the sliding-window layers get less than the
+    average, the global layers more, and the caches are allocated that way."""
+    with Model(gemma) as model:
+        windows = model.attention_windows()
+        swa = swa_layers(model)
+        plan = plan_mod.uniform_plan(model.n_layer, "snapkv", 256).span_split(windows, 4096)
+        for kv_budget, expected in ((0, plan.token_budgets("prefill")),
+                                    (1024, plan.scaled(1024, caps=windows).token_budgets("prefill"))):
+            model.set_plan(plan, kv_budget=kv_budget)
+            with model.context(n_ctx=4096, n_ubatch=256) as ctx:
+                stats = ctx.kv_layer_stats()
+            native = [s.budget_prefill for s in stats]
+            avg = kv_budget or 256
+            assert native == expected and sum(native) == avg * model.n_layer
+            assert max(native[il] for il in swa) < avg < min(b for il, b in enumerate(native) if il not in swa)
+            assert max(s.capacity for s in stats if s.layer in swa) < min(s.capacity for s in stats
+                                                                          if s.layer not in swa)
+        model.set_plan(None)
+
+
 def test_per_head_selection_with_one_kv_head_is_the_layer_selection(gemma):
     """Gemma-3-270M has one KV head: per-head selection must keep exactly the per-layer sets, and the per-head
     masks (sliding-window layers included) must give the same logits as the stock masks.

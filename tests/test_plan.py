@@ -669,3 +669,35 @@ def test_shipped_plans_validate_for_the_model_they_name(path):
     assert [lp.layer for lp in plan.layers] == list(range(plan.n_layer))
     half = plan.scaled(max(plan.budget_avg // 2, plan.b_min))
     assert half.n_layer == plan.n_layer and half.budget_avg == max(plan.budget_avg // 2, plan.b_min)
+
+
+def test_span_split_gives_every_layer_the_same_share_of_what_it_attends_to():
+    """Plan.span_split: shares in proportion to budget x span (a sliding-window layer's window, else the context);
+    rescaled, each layer keeps b_min plus its part of the rest, worked out by hand here."""
+    windows = [64, None, 64, None]
+    plan = P.uniform_plan(4, "snapkv", 128)
+    assert plan.b_min == 32
+    split = plan.span_split(windows, 1024)
+    assert split.budget_rule == "uniform+span" and split.provenance.extra["span_n_ctx"] == 1024
+    for ph in ("prefill", "decode"):
+        assert [pp.share for pp in split.phase_plans(ph)] == pytest.approx([64 / 2176, 1024 / 2176] * 2)
+        assert all(pp.budget is None for pp in split.phase_plans(ph))
+    # 4 x 128 tokens: 4 x b_min, and 384 split 64 : 1024 -> 11.29 and 180.71 -> 11 / 181 by largest remainder
+    assert split.token_budgets("prefill") == [43, 213, 43, 213]
+    assert split.scaled(256, caps=windows).token_budgets("decode") == [58, 454, 58, 454]
+    assert split.scaled(600, caps=windows).token_budgets("decode") == [64, 1136, 64, 1136]  # the window caps
+    again = P.Plan.from_json(split.to_json()).validate(n_layer=4)
+    assert again.token_budgets("prefill") == split.token_budgets("prefill")
+    assert plan.span_split([None] * 4, 1024) is plan  # no sliding-window layer: nothing to split
+    # a plan's own shape stays: weights are budget x span
+    pyr = P.pyramid_plan(4, 128)
+    pb = pyr.token_budgets("prefill")
+    shares = [pp.share for pp in pyr.span_split(windows, 1024).phase_plans("prefill")]
+    assert shares[1] / shares[3] == pytest.approx(pb[1] / pb[3])
+    assert shares[0] / shares[1] == pytest.approx(pb[0] * 64 / (pb[1] * 1024))
+    with pytest.raises(P.PlanError, match="3 windows"):
+        plan.span_split([64, None, 64], 1024)
+    with pytest.raises(P.PlanError, match="n_ctx"):
+        plan.span_split(windows, 0)
+    assert P.split_span("snapkv@15+4~span") == ("snapkv@15+4", True)
+    assert P.split_span("snapkv") == ("snapkv", False)

@@ -6,8 +6,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from calibration.runtime import (TASK_SEED_OFFSET, _Measure, build, move_budget, runtime_calibrate, task_items,
-                                 text_items, with_allocation)
+from calibration.runtime import (DEFAULT_MIN_GAIN, TASK_SEED_OFFSET, _Measure, build, move_budget, runtime_calibrate,
+                                 task_items, text_items, with_allocation)
 from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import CalibrationError
@@ -304,3 +304,21 @@ def test_budgets_from_another_patterns_scores(tiny_gguf, monkeypatch):
     with pytest.raises(CalibrationError, match="--score-pattern"):
         runtime_calibrate(tiny_gguf, None, budget=48, samples=1, ctx=256, n_cont=16, patterns=("h2o",),
                           score_pattern="fullkv", progress=False, log=lambda m: None)
+
+
+def test_search_tries_budgets_by_span_when_the_model_has_sliding_window_layers(searched, tiny_gguf, monkeypatch):
+    """On a model with sliding-window layers (layer 0's window made 40 here) the search measures, after the uniform
+    start, the budgets in proportion to each layer's span (40 and the context, 384), and keeps them only if they
+    lower the loss; that loss is the plan's, measured again by hand. The tiny model without windows has no such
+    step."""
+    assert not any("spans" in s.what for s in searched.steps)
+    monkeypatch.setattr(Model, "attention_windows", lambda self: [40, None])
+    res = runtime_calibrate(tiny_gguf, None, budget=48, samples=2, ctx=384, n_cont=32, patterns=("snapkv",),
+                            budget_moves=False, prompt_budgets=False, progress=False, log=lambda m: None)
+    assert res.plan.b_min == 32
+    step = res.steps[1]
+    assert step.what == "budgets in proportion to the layers' spans: [35, 61]"  # 32 + 32 x 40 / 424 -> 35
+    assert step.kl == pytest.approx(_kl_by_hand(tiny_gguf, build(2, ["snapkv"] * 2, [35, 61], 48, 32)),
+                                    rel=1e-3, abs=1e-5)
+    assert step.accepted == (step.kl < res.loss_uniform["snapkv"] * (1 - DEFAULT_MIN_GAIN))
+    assert ([lp.prefill.budget for lp in res.plan.layers] == [35, 61]) is step.accepted

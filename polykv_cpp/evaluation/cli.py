@@ -151,7 +151,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
                    help="calibrated plan (JSON or GGUF) evaluated as method NAME (default 'polykv'); repeatable")
     g.add_argument("--no-plan-from-gguf", action="store_true", help="ignore a plan stored in MODEL")
     g.add_argument("--methods", default=None,
-                   help=f"comma-separated methods (default: {','.join(DEFAULT_METHODS)})")
+                   help=f"comma-separated methods (default: {','.join(DEFAULT_METHODS)}); a baseline may take "
+                        "'@K' (pooling kernel, snapkv@23), '@K+S' (moved window) and '~span' (budgets split by what "
+                        "each layer attends to, on models with sliding-window layers: snapkv@15+4~span)")
     g.add_argument("--budgets", type=_ints, default=None,
                    help="average KV budgets, tokens per layer (default: 128,256,512,1024)")
     g.add_argument("--protocol", choices=["both", "query-aware", "query-agnostic"], default="both")

@@ -63,9 +63,11 @@ KVZIP_ROOM = 512
 
 
 def is_baseline(method: str) -> bool:
-    """A uniform baseline: a name of :data:`BASELINES`, optionally with another pooling kernel (``snapkv@23``)."""
+    """A uniform baseline: a name of :data:`BASELINES`, optionally with another pooling kernel (``snapkv@23``) and
+    budgets split by span (``snapkv@15+4~span``, :meth:`polykv_cpp.plan.Plan.span_split`)."""
     from polykv_cpp import plan as plan_mod
 
+    method = plan_mod.split_span(method)[0]
     if method.partition("@")[0] not in BASELINES:
         return False
     try:
@@ -442,7 +444,8 @@ class Evaluator:
                     continue
                 raise EvalError(f"unknown method {meth!r}: a baseline ({', '.join((FULLKV, *BASELINES))}; "
                                 f"'@K' sets the pooling kernel of {', '.join(plan_mod.POOLED_PATTERNS)}, e.g. "
-                                "snapkv@23) or a plan name given with --plan NAME=FILE")
+                                "snapkv@23; '~span' splits its budgets by what each layer attends to, e.g. "
+                                "snapkv~span) or a plan name given with --plan NAME=FILE")
         self.methods = [x for x in methods if x == FULLKV or is_baseline(x) or x in self.plans]
         self.plan_methods = [x for x in self.methods if x in self.plans]
 
@@ -580,15 +583,18 @@ class Evaluator:
             for b in cfg.budgets:
                 run = Run(meth, b)
                 try:
-                    base, selection, params = (plan_mod.split_method(meth) if is_baseline(meth)
+                    name, by_span = plan_mod.split_span(meth)
+                    base, selection, params = (plan_mod.split_method(name) if is_baseline(meth)
                                                else (meth, "layer", {}))
                     if base == "pyramidkv" and is_baseline(meth):
                         run.plan = plan_mod.pyramid_plan(self.n_layer, b, selection=selection, **params)
                     elif is_baseline(meth):
-                        run.plan = plan_mod.method_plan(self.n_layer, meth, b)
+                        run.plan = plan_mod.method_plan(self.n_layer, name, b)
                     else:
                         run.plan = self._plan_at(self.plans[meth], b)
                         run.plan.validate(n_layer=self.n_layer)
+                    if by_span and is_baseline(meth):
+                        run.plan = self._plan_at(run.plan.span_split(self.windows, self.n_ctx), b)
                 except PlanError as e:
                     run.status = f"skipped: {e}"
                 runs.append(run)
