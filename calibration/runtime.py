@@ -12,7 +12,8 @@ continuation of calibration texts whose context was compressed (``docs/calibrati
   runtime does after a prompt), feed the continuation as one batch and average KL(FullKV || plan) over its
   tokens. That costs one continuation forward per sample, no prefill;
 * construction (a greedy coordinate search, offline, once): start from the best uniform single-pattern plan
-  at ``budget``; per layer, the pattern with the lowest joint KL given the other layers (the pattern
+  at ``budget``; on a model with sliding-window layers, try its budgets in proportion to each layer's span (its
+  window, or the context: ``Plan.span_split``); per layer, the pattern with the lowest joint KL given the other layers (the pattern
   preference, measured with every layer compressed, not one layer alone); then move budget between layers
   (a layer gets ``budget/2`` more or less, the others pay or receive in proportion to what they hold above
   ``b_min``) where the KL drops; last, the same plan with its budgets re-split per prompt by the prompt's own
