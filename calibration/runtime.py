@@ -13,10 +13,10 @@ continuation of calibration texts whose context was compressed (``docs/calibrati
   tokens. That costs one continuation forward per sample, no prefill;
 * construction (a greedy coordinate search, offline, once): start from the best uniform single-pattern plan
   at ``budget``; on a model with sliding-window layers, try its budgets in proportion to each layer's span (its
-  window, or the context: ``Plan.span_split``); per layer, the pattern with the lowest joint KL given the other layers (the pattern
-  preference, measured with every layer compressed, not one layer alone); then move budget between layers
-  (a layer gets ``budget/2`` more or less, the others pay or receive in proportion to what they hold above
-  ``b_min``) where the KL drops; last, the same plan with its budgets re-split per prompt by the prompt's own
+  window, or the context: ``Plan.span_split``); per layer, the pattern with the lowest joint KL given the other
+  layers (the pattern preference, measured with every layer compressed, not one layer alone); then move budget
+  between layers (a layer gets ``budget/2`` more or less, the others pay or receive in proportion to what they
+  hold above ``b_min``) where the KL drops; last, the same plan with its budgets re-split per prompt by the prompt's own
   scores (``"allocation": "prompt"``, floors at the patterns' sinks and windows). A change is kept when it lowers
   the KL by more than ``min_gain`` (relative).
 
@@ -395,7 +395,6 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             items, items_n_ctx = text_items(data.samples, n_cont), None
             description = data.description
         m = _Measure(model, items, n_threads, progress, n_ctx=items_n_ctx, room=room)
-        # a sliding-window layer cannot use more than its window: the start gives the rest to the other layers
         windows = model.attention_windows()
         n_total = (len(patterns) + n_layer * (len(patterns) - 1) + (2 * n_layer if budget_moves else 0)
                    + (1 if any(windows) else 0)
@@ -413,6 +412,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             return r[objective]
 
         steps: list[SearchStep] = []
+        # a sliding-window layer cannot use more than its window: the start gives the rest to the other layers
         start = plan_mod.allocate_budgets(n_layer * budget, [1] * n_layer, b_min, windows)
         uniform = {p: measure([p] * n_layer, start, f"uniform {p}") for p in patterns}
         best = min(uniform, key=uniform.get)  # type: ignore[arg-type]

@@ -996,6 +996,8 @@ class Plan:
             raise PlanError(f"n_ctx must be a positive integer (got {n_ctx!r})")
         if not any(windows):
             return self
+        if self.full_charge is None and any(pp.is_full for lp in self.layers for pp in (lp.prefill, lp.decode)):
+            raise PlanError("a plan with FullKV layers needs full_charge to be split by span")
         spans = [min(w, n_ctx) if w else n_ctx for w in windows]
         new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
         for ph in PHASES:
@@ -1013,8 +1015,6 @@ class Plan:
             for i, w in zip(budgeted, weights):
                 pp = new_layers[i].phase(ph)
                 pp.budget, pp.share = None, w / total
-        if any(pp.is_full for lp in new_layers for pp in (lp.prefill, lp.decode)) and self.full_charge is None:
-            raise PlanError("a plan with FullKV layers needs full_charge to be split by span")
         prov = replace(self.provenance, extra=dict(self.provenance.extra))
         prov.extra["span_n_ctx"] = n_ctx
         rule = self.budget_rule if self.budget_rule.endswith("+span") else f"{self.budget_rule}+span"
