@@ -198,6 +198,11 @@ def largest_remainder(weights: Sequence[float | int | Fraction], total: int) -> 
     return parts
 
 
+def budgeted_layers(phase_plans: Sequence["PhasePlan"]) -> list[int]:
+    """The indices of a phase's layers that keep a budget (not FullKV)."""
+    return [i for i, pp in enumerate(phase_plans) if not pp.is_full]
+
+
 def allocate_budgets(total: int, weights: Sequence[float | int], b_min: int,
                      caps: Sequence[int | None] | None = None) -> list[int]:
     """Budgets ``b[l] = b_min + (total - n*b_min) * w[l] / sum(w)``, rounded by largest remainder.
@@ -728,13 +733,16 @@ class Plan:
                             "charged against the total)")
         return self.n_layer * self.budget_avg - n_full * (charge or 0)
 
+    def _layer_copies(self) -> list[LayerPlan]:
+        return [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
+
     def token_budgets(self, phase: str) -> list[int | None]:
         """Budgets in tokens per layer at the plan's own ``budget_avg`` (None for FullKV layers).
 
         Share-based phases are resolved: ``b_min`` + largest-remainder split of the pool above the floor.
         """
         pps = self.phase_plans(phase)
-        idx = [i for i, pp in enumerate(pps) if not pp.is_full]
+        idx = budgeted_layers(pps)
         out: list[int | None] = [None] * len(pps)
         if not idx:
             return out
@@ -855,7 +863,7 @@ class Plan:
                 if ph == "decode" and pp.pattern in PREFILL_ONLY_PATTERNS:
                     raise PlanError(f"layer {i} decode: {pp.pattern} scores a prompt once, when it is compressed; it is "
                                     f"a prefill pattern only (decode with e.g. {DECODE_AFTER_PREFILL_ONLY})")
-            budgeted = [i for i, pp in enumerate(pps) if not pp.is_full]
+            budgeted = budgeted_layers(pps)
             if not budgeted:
                 continue
             by_share = [i for i in budgeted if pps[i].share is not None]
@@ -936,10 +944,10 @@ class Plan:
         if caps is not None and len(caps) != self.n_layer:
             raise PlanError(f"{len(caps)} caps for a plan of {self.n_layer} layers")
         exact = True
-        new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
+        new_layers = self._layer_copies()
         for ph in PHASES:
             pps = self.phase_plans(ph)
-            budgeted = [i for i, pp in enumerate(pps) if not pp.is_full]
+            budgeted = budgeted_layers(pps)
             if not budgeted:
                 continue
             n_full = len(pps) - len(budgeted)
@@ -999,10 +1007,10 @@ class Plan:
         if self.full_charge is None and any(pp.is_full for lp in self.layers for pp in (lp.prefill, lp.decode)):
             raise PlanError("a plan with FullKV layers needs full_charge to be split by span")
         spans = [min(w, n_ctx) if w else n_ctx for w in windows]
-        new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
+        new_layers = self._layer_copies()
         for ph in PHASES:
             pps = self.phase_plans(ph)
-            budgeted = [i for i, pp in enumerate(pps) if not pp.is_full]
+            budgeted = budgeted_layers(pps)
             if not budgeted:
                 continue
             if any(pps[i].share is not None for i in budgeted):
@@ -1031,7 +1039,7 @@ class Plan:
             return self
         if caps is not None and len(caps) != self.n_layer:
             raise PlanError(f"{len(caps)} caps for a plan of {self.n_layer} layers")
-        new_layers = [LayerPlan(lp.layer, replace(lp.prefill), replace(lp.decode)) for lp in self.layers]
+        new_layers = self._layer_copies()
         for ph in PHASES:
             for i, b in enumerate(self.token_budgets(ph)):
                 if b is None:
