@@ -421,8 +421,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         if any(windows):
             # every layer the same share of what it attends to (Plan.span_split): the global layers, the only ones
             # that reach the start of the prompt, get what the sliding-window layers' windows do not need
-            spans = [min(w, ctx) if w else ctx for w in windows]
-            cand_b = plan_mod.allocate_budgets(n_layer * budget, spans, b_min, windows)
+            cand_b = plan_mod.allocate_budgets(n_layer * budget, plan_mod.layer_spans(windows, ctx), b_min, windows)
             loss = measure(pats, cand_b, "budgets by span")
             ok = loss < cur * (1 - min_gain)
             steps.append(SearchStep(f"budgets in proportion to the layers' spans: {cand_b}", loss, ok))

@@ -203,6 +203,12 @@ def budgeted_layers(phase_plans: Sequence["PhasePlan"]) -> list[int]:
     return [i for i, pp in enumerate(phase_plans) if not pp.is_full]
 
 
+def layer_spans(windows: Sequence[int | None], n_ctx: int) -> list[int]:
+    """What each layer attends to in a context of ``n_ctx`` tokens: a sliding-window layer its window (at most
+    ``n_ctx``), any other layer the whole context (:meth:`Plan.span_split`)."""
+    return [min(w, n_ctx) if w else n_ctx for w in windows]
+
+
 def allocate_budgets(total: int, weights: Sequence[float | int], b_min: int,
                      caps: Sequence[int | None] | None = None) -> list[int]:
     """Budgets ``b[l] = b_min + (total - n*b_min) * w[l] / sum(w)``, rounded by largest remainder.
@@ -1006,7 +1012,7 @@ class Plan:
             return self
         if self.full_charge is None and any(pp.is_full for lp in self.layers for pp in (lp.prefill, lp.decode)):
             raise PlanError("a plan with FullKV layers needs full_charge to be split by span")
-        spans = [min(w, n_ctx) if w else n_ctx for w in windows]
+        spans = layer_spans(windows, n_ctx)
         new_layers = self._layer_copies()
         for ph in PHASES:
             pps = self.phase_plans(ph)
