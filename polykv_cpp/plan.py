@@ -1001,8 +1001,9 @@ class Plan:
         its whole window once the budget reaches it, and leaves the global layers, the only ones that reach the
         start of a long prompt, with the average. The result is share-based (any :meth:`scaled` budget keeps the
         proportions); ``budget_rule`` gains ``+span`` and ``provenance.extra["span_n_ctx"]`` records ``n_ctx``.
-        Limits: the shares are those of ``n_ctx``: at a longer context the global layers get less than the rule
-        would give there. A model without sliding-window layers gets the plan unchanged.
+        Limits: the shares are those of ``n_ctx`` at any context (on Gemma-3-270M the shares of 4K held at 1K and 8K
+        better than or as well as each context's own). A model without sliding-window layers gets the plan
+        unchanged.
         """
         if len(windows) != self.n_layer:
             raise PlanError(f"{len(windows)} windows for a plan of {self.n_layer} layers")
