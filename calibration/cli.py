@@ -13,7 +13,7 @@ from typing import Any
 from polykv_cpp.errors import CalibrationError
 
 from calibration.core import (CALIBRATED_EVICT_EVERY, CALIBRATED_POOL_KERNEL, CALIBRATED_POOL_SHIFT, DEFAULT_CTX,
-                              DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES, RUNTIME_PATTERNS)
+                              DEFAULT_N_CONT, DEFAULT_PATTERNS, DEFAULT_SAMPLES, DEFAULT_SPAN_CTX, RUNTIME_PATTERNS)
 from calibration.runtime import DEFAULT_MIN_GAIN, DEFAULT_SAMPLES as RUNTIME_SAMPLES, OBJECTIVES, TASKS_DATASET
 
 PROTOCOL_CHOICES = {"query-aware": ("query-aware",), "query-agnostic": ("query-agnostic",),
@@ -62,7 +62,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         signal=args.signal, sensitivity=args.sensitivity, budget_rule=args.budget_rule, device=args.device,
         plan_out=args.plan_out, seed=args.seed, text_field=args.text_field, split=args.split,
         pattern_params=_params(args.param), fullkv_below=args.fullkv_below,
-        reuse_signals=not args.no_reuse, progress=not args.quiet, evict_every=args.evict_every)
+        reuse_signals=not args.no_reuse, progress=not args.quiet, evict_every=args.evict_every,
+        span_ctx=args.span_ctx)
     plan = res.plan
     print(plan.summary())
     if res.out is not None:
@@ -78,6 +79,9 @@ def _cmd_runtime(args: argparse.Namespace) -> int:
 
     if args.hf:
         raise CalibrationError("--hf is not used by --method runtime (it measures the GGUF itself)")
+    if args.span_ctx != DEFAULT_SPAN_CTX:
+        raise CalibrationError("--span-ctx is not used by --method runtime (it measures the split by span at --ctx "
+                               "and keeps it only if the loss drops)")
     res = runtime_calibrate(
         args.gguf, args.out, budget=args.budget, samples=args.samples or RUNTIME_SAMPLES, ctx=args.ctx,
         n_cont=args.n_cont, patterns=_csv(args.patterns or ",".join(RUNTIME_PATTERNS)), b_min=args.b_min,
@@ -151,6 +155,10 @@ def register_cli(subparsers: Any) -> None:
     p.add_argument("--evict-every", type=int, default=CALIBRATED_EVICT_EVERY, metavar="K",
                    help=f"the plan's \"evict_every\": decode evicts once per K generated tokens (default "
                         f"{CALIBRATED_EVICT_EVERY}; 1: after every token)")
+    p.add_argument("--span-ctx", type=int, default=DEFAULT_SPAN_CTX, metavar="N",
+                   help="on a model with sliding-window layers (Gemma 3), split the budgets by span: every layer "
+                        "the same share of what it attends to, a global layer's span counted as N tokens (default "
+                        f"{DEFAULT_SPAN_CTX}; 0: the plain split). The runtime method measures the split instead")
     p.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reuse", action="store_true", help="recompute signals even if a signals file matches")

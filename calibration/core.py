@@ -45,8 +45,29 @@ def check_evict_every(k: int) -> None:
 
 DEFAULT_SAMPLES = 8
 DEFAULT_CTX = 2048
+#: On a model with sliding-window layers the calibrated budgets are split by span (``Plan.span_split``), the spans
+#: counted at a context of this many tokens (a global layer's span; a sliding-window layer's is its window). On
+#: Gemma-3-270M the shares of a 4K context beat the plain split by 32 points at 128 tokens per layer of 4K
+#: (90 prompts) and, on 1K prompts, the shares of the 1K context itself by 14 (docs/results.md, "Gemma-3-270M:
+#: budgets split by span", "The span shares at other context lengths").
+DEFAULT_SPAN_CTX = 4096
 DEFAULT_N_CONT = 128
-SIGNALS_VERSION = 1
+SIGNALS_VERSION = 2  # 2: sliding-window layers scored with their window
+
+
+def layer_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window from a transformers config (``layer_types`` entries ``"sliding_attention"`` with
+    ``sliding_window`` tokens), None for a layer that attends to the whole context: the windows the runtime reads
+    from the GGUF (``Model.attention_windows()``). A config without ``layer_types`` has none."""
+    tcfg = getattr(config, "text_config", None) or config
+    n_layer = int(tcfg.num_hidden_layers)
+    types = getattr(tcfg, "layer_types", None)
+    window = getattr(tcfg, "sliding_window", None)
+    if not types or not window:
+        return [None] * n_layer
+    if len(types) != n_layer:
+        raise CalibrationError(f"the checkpoint's config lists {len(types)} layer types for {n_layer} layers")
+    return [int(window) if t == "sliding_attention" else None for t in types]
 
 
 def calibrated_params(params: dict[str, dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
@@ -189,10 +210,15 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
               plan_out: str | Path | None = None, seed: int = 0, text_field: str = "text", split: str = "train",
               pattern_params: dict[str, dict[str, Any]] | None = None, n_eval: int = 48,
               fullkv_below: float = 0.9, reuse_signals: bool = True, progress: bool = True,
-              evict_every: int = CALIBRATED_EVICT_EVERY, encode=None, log=None) -> CalibrationResult:
-    """Calibrate (see docs/calibration.md). ``encode``: optional ``str -> list[int]`` replacing the tokenizer
-    (API only; the identity check then skips the tokenizer fingerprint)."""
+              evict_every: int = CALIBRATED_EVICT_EVERY, span_ctx: int = DEFAULT_SPAN_CTX, encode=None,
+              log=None) -> CalibrationResult:
+    """Calibrate (see docs/calibration.md). ``span_ctx``: on a model with sliding-window layers, the budgets are
+    split by span with the spans of a context of this many tokens (:data:`DEFAULT_SPAN_CTX`; 0: the plain split).
+    ``encode``: optional ``str -> list[int]`` replacing the tokenizer (API only; the identity check then skips the
+    tokenizer fingerprint)."""
     check_evict_every(evict_every)
+    if not isinstance(span_ctx, int) or isinstance(span_ctx, bool) or span_ctx < 0:
+        raise CalibrationError(f"--span-ctx must be a non-negative integer (got {span_ctx!r})")
     t_start = time.perf_counter()
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     timings: dict[str, float] = {}
@@ -267,6 +293,7 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
     else:
         tok, tok_desc = None, f"custom:{getattr(encode, '__name__', 'encode')}"
     ident = check_identity(config, gguf_path, tok)
+    windows = layer_windows(config)
     data = load_calibration_data(dataset, encode, ctx=ctx, n_samples=samples, seed=seed, text_field=text_field,
                                  split=split, tokenizer_desc=tok_desc)
     timings["data_s"] = time.perf_counter() - t0
@@ -310,7 +337,7 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
             if len(cap) != n_layer:
                 raise CalibrationError(f"captured attention of {len(cap)} layers, expected {n_layer} (unsupported "
                                        "model: its attention does not go through transformers' attention interface)")
-            layers = [S.LayerTensors(*cap[l]) for l in range(n_layer)]
+            layers = [S.LayerTensors(*cap[l], window=windows[l]) for l in range(n_layer)]
             t_fwd += time.perf_counter() - t0
             t0 = time.perf_counter()
             kept = {}
@@ -373,6 +400,10 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
                       provenance=prov, full_score={"prefill": sig["cos_prefill"],
                                                    "decode": sig.get("cos_decode", sig["cos_prefill"])})
     plan = dataclasses.replace(plan, evict_every=evict_every)
+    if span_ctx and any(windows):
+        plan = plan.span_split(windows, span_ctx)
+        log(f"budgets split by span (sliding-window layers {min(w for w in windows if w)} tokens, the others "
+            f"{span_ctx}): {plan.token_budgets('prefill')}")
     wall = time.perf_counter() - t_start
     prov.extra["calibration_wall_s"] = round(wall, 1)
     plan.validate(n_layer)

@@ -9,7 +9,8 @@ transformers attention function). Then, for each layer ALONE (the other layers k
   context's own full causal attention, via ``polykv_cpp.patterns``). The continuation queries then attend to
   the kept context tokens plus the continuation itself (causal). Signal = mean over continuation tokens of
   the cosine similarity between the layer's attention output (after ``o_proj``) with compressed and with
-  full KV.
+  full KV. A sliding-window layer (``LayerTensors.window``) is scored by what it computes: every query, the
+  selection's and the continuation's, sees only the keys less than its window back.
 * decode preference ``cos_decode[l, r]``: positions ``[0, b)`` are the prompt (it fits, nothing evicted);
   every later token ``t`` is a decode step: it is appended, attends over the kept set, then the pattern
   evicts back to ``b`` with the decode-time state of ``patterns.simulate`` (H2O accumulator initialised from
@@ -65,7 +66,7 @@ def register_attention() -> None:
             allowed[:km.shape[0]] = km.to(query.device)
             q_pos = torch.arange(n_k - n_q, n_k, device=query.device)
             k_pos = torch.arange(n_k, device=query.device)
-            causal = k_pos[None, :] <= q_pos[:, None]
+            causal = visible(q_pos, k_pos, getattr(module, "sliding_window", None))
             bias = torch.zeros(n_q, n_k, dtype=query.dtype, device=query.device)
             bias.masked_fill_(~(causal & allowed[None, :]), float("-inf"))
             return sdpa_attention_forward(module, query, key, value, bias[None, None], dropout=dropout,
@@ -84,6 +85,16 @@ class LayerTensors:
     q: Any          # [H, T, d]
     k: Any          # [Hkv, T, d]
     v: Any          # [Hkv, T, d]
+    window: int | None = None   # a sliding-window layer's window: a query sees the keys less than this far back
+
+
+def visible(q_pos: Any, k_pos: Any, window: int | None) -> Any:
+    """Bool [len(q_pos), len(k_pos)]: the keys each query attends to, causal and, in a sliding-window layer, less
+    than ``window`` positions back (transformers' and llama.cpp's standard sliding window)."""
+    m = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        m = m & (q_pos[:, None] - k_pos[None, :] < window)
+    return m
 
 
 @dataclass
@@ -122,7 +133,7 @@ def prefill_layer_signals(lt: LayerTensors, w_o, b_o, scale: float, cfg: SignalC
 
     # continuation queries over full causal KV
     lg = torch.einsum("htd,hsd->hts", q[:, C:], kr) * scale                       # [H, n_cont, T]
-    causal = torch.arange(T)[None, :] <= torch.arange(C, T)[:, None]              # [n_cont, T]
+    causal = visible(torch.arange(C, T), torch.arange(T), lt.window)              # [n_cont, T]
     lg = lg.masked_fill(~causal[None], float("-inf"))
     p_full = torch.softmax(lg, dim=-1)
     ent = -(p_full * torch.log(p_full.clamp_min(1e-30))).sum(-1)                   # [H, n_cont]
@@ -143,13 +154,13 @@ def prefill_layer_signals(lt: LayerTensors, w_o, b_o, scale: float, cfg: SignalC
         for s in range(0, C, 256):
             e = min(C, s + 256)
             l2 = torch.einsum("htd,hsd->hts", q[:, s:e], kr[:, :C]) * scale
-            m = torch.arange(C)[None, :] <= torch.arange(s, e)[:, None]
+            m = visible(torch.arange(s, e), torch.arange(C), lt.window)
             p2 = torch.softmax(l2.masked_fill(~m[None], float("-inf")), dim=-1)
             acc += p2.mean(0).sum(0)
     max_w = max([getattr(cfg.pattern(n), "obs_window", 0) for n in cfg.patterns] + [1])
     s0 = max(0, C - max_w)
     l3 = torch.einsum("htd,hsd->hts", q[:, s0:C], kr[:, :C]) * scale
-    m3 = torch.arange(C)[None, :] <= torch.arange(s0, C)[:, None]
+    m3 = visible(torch.arange(s0, C), torch.arange(C), lt.window)
     rows = torch.softmax(l3.masked_fill(~m3[None], float("-inf")), dim=-1).double().numpy()  # [H, w, C]
     keys_ctx = k[:, :C].double().numpy()
 
@@ -204,8 +215,8 @@ def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequ
 
     # prompt statistics (full causal attention of the prompt queries)
     lgp = torch.einsum("lhtd,lhsd->lhts", q[:, :, :P0], kr[:, :, :P0]) * scale
-    mp = torch.arange(P0)[None, :] <= torch.arange(P0)[:, None]
-    pp = torch.softmax(lgp.masked_fill(~mp[None, None], float("-inf")), dim=-1).mean(1)   # [L, P0, P0]
+    mp = torch.stack([visible(torch.arange(P0), torch.arange(P0), lt.window) for lt in layers])   # [L, P0, P0]
+    pp = torch.softmax(lgp.masked_fill(~mp[:, None], float("-inf")), dim=-1).mean(1)   # [L, P0, P0]
     acc0 = pp.sum(1).double().numpy()                            # [L, P0]
     pats = [cfg.pattern(n) for n in cfg.patterns]
     states = []
@@ -223,8 +234,8 @@ def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequ
         bar.update(min(T, c0 + chunk) - c0)
         c1 = min(T, c0 + chunk)
         lgc = (torch.einsum("lhtd,lhsd->lhts", q[:, :, c0:c1], kr[:, :, :c1]) * scale)       # [L, H, c, c1]
-        mc = torch.arange(c1)[None, :] <= torch.arange(c0, c1)[:, None]
-        lgc = lgc.masked_fill(~mc[None, None], float("-inf"))
+        mc = torch.stack([visible(torch.arange(c0, c1), torch.arange(c1), lt.window) for lt in layers])
+        lgc = lgc.masked_fill(~mc[:, None], float("-inf"))
         ev = [t for t in range(c0, c1) if t in eval_set]
         o_full = {}
         if ev:

@@ -169,6 +169,41 @@ def test_budget_rules(tiny, rule):
     assert again.reused_signals and again.plan.budget_rule == other
 
 
+def test_layer_windows_from_the_checkpoint_config():
+    from transformers import Gemma3TextConfig, Qwen2Config
+
+    from calibration.core import layer_windows
+
+    gemma = Gemma3TextConfig(num_hidden_layers=8, sliding_window=64)   # every sixth layer global, as Gemma 3
+    assert layer_windows(gemma) == [64, 64, 64, 64, 64, None, 64, 64]
+    assert layer_windows(Qwen2Config(num_hidden_layers=3)) == [None, None, None]
+    bad = Gemma3TextConfig(num_hidden_layers=8, sliding_window=64)
+    bad.layer_types = bad.layer_types[:7]
+    with pytest.raises(CalibrationError, match="7 layer types for 8 layers"):
+        layer_windows(bad)
+
+
+def test_budgets_split_by_span_on_a_model_with_sliding_window_layers(tiny, monkeypatch):
+    """The tiny Qwen2 twin with its first layer given a window (the split only reads the windows): the plan is
+    the plain split's plan split by span at span_ctx; span_ctx 0 keeps the plain split."""
+    import calibration.core as core
+
+    d, model = tiny
+    plain = _run(d, "span", budget=24, b_min=8, pattern_params=DISTINCT, span_ctx=0).plan
+    assert plain.budget_rule == "sensitivity"
+    windows = [40, None, None]
+    monkeypatch.setattr(core, "layer_windows", lambda config: windows)
+    split = _run(d, "span", budget=24, b_min=8, pattern_params=DISTINCT, span_ctx=80)
+    assert split.reused_signals          # the split is not a signal input
+    assert split.plan.to_dict() | {"provenance": None} == \
+        plain.span_split(windows, 80).to_dict() | {"provenance": None}
+    assert split.plan.budget_rule == "sensitivity+span" and split.plan.provenance.extra["span_n_ctx"] == 80
+    b0, b1 = plain.token_budgets("prefill")[:2], split.plan.token_budgets("prefill")[:2]
+    assert b1[0] < b0[0] and b1[1] > b0[1]  # the sliding-window layer gives tokens to the global ones
+    with pytest.raises(CalibrationError, match="--span-ctx"):
+        _run(d, "span", budget=24, b_min=8, span_ctx=-1)
+
+
 def test_determinism_and_signal_reuse(tiny):
     d, model = tiny
     a = _run(d, "det-a", seed=3, pattern_params=DISTINCT)
@@ -359,6 +394,34 @@ def test_decode_signal_matches_reference_simulate():
         np.testing.assert_allclose(got[0, 0], np.mean(cs), atol=1e-4, err_msg=name)
 
 
+def test_signals_of_a_sliding_window_layer_see_only_its_window():
+    """A sliding-window layer is scored by what it computes: StreamingLLM with the whole window in its recent part
+    loses nothing there, in both phases, while the same keys read as a global layer's lose (its old tokens were
+    attended to)."""
+    from calibration.signals import LayerTensors, SignalConfig, decode_signals, prefill_layer_signals
+
+    rng = np.random.default_rng(1)
+    H, Hkv, T, d, W = 4, 2, 96, 8, 12
+    q = torch.tensor(rng.normal(size=(H, T, d)), dtype=torch.float32)
+    k = torch.tensor(rng.normal(size=(Hkv, T, d)), dtype=torch.float32)
+    v = torch.tensor(rng.normal(size=(Hkv, T, d)), dtype=torch.float32)
+    w_o, scale = torch.eye(H * d), 1 / np.sqrt(d)
+    pats = ["streamingllm", "tova", "knorm"]
+    cfg = SignalConfig(budget=16, patterns=pats, n_cont=24, n_eval=20,
+                       pattern_params={"streamingllm": {"n_sink": 4}})   # recent part 12 = the window
+    cos_w, ent_w, kept_w = prefill_layer_signals(LayerTensors(q, k, v, window=W), w_o, None, scale, cfg)
+    cos_g, ent_g, _ = prefill_layer_signals(LayerTensors(q, k, v), w_o, None, scale, cfg)
+    assert cos_w[0] == pytest.approx(1.0, abs=1e-6) and cos_g[0] < 0.99
+    assert ent_w < ent_g                                    # fewer keys in view
+    C = T - cfg.n_cont                                      # TOVA's set: the last query's view, within its window
+    assert sum(int(i) >= C - W for i in kept_w[1]) == W
+    dec_w = decode_signals([LayerTensors(q, k, v, window=W), LayerTensors(q, k, v)], [w_o] * 2, [None] * 2,
+                           scale, cfg, chunk=7)
+    assert dec_w[0, 0] == pytest.approx(1.0, abs=1e-5) and dec_w[1, 0] < 0.99
+    np.testing.assert_allclose(dec_w[1], decode_signals([LayerTensors(q, k, v)], [w_o], [None], scale, cfg,
+                                                        chunk=7)[0], atol=1e-6)   # layers stay apart
+
+
 def test_cli_registration_and_help():
     import argparse
 
@@ -373,6 +436,10 @@ def test_cli_registration_and_help():
     assert cli._params(a.param) == {"snapkv": {"obs_window": 16}}
     with pytest.raises(PolyKVError):
         cli._params(["bad"])
+    assert a.span_ctx == 4096
+    runtime = ap.parse_args(["calibrate", "--method", "runtime", "--gguf", "y.gguf", "--span-ctx", "8192"])
+    with pytest.raises(CalibrationError, match="--span-ctx is not used by --method runtime"):
+        runtime.func(runtime)
 
 
 def test_data_sources(tmp_path):
