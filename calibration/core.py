@@ -95,13 +95,18 @@ class CalibrationResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def default_b_min(budget: int, patterns: Sequence[P.Pattern]) -> int:
-    """max(budget // 4, the largest always-kept part (sinks + windows) of the candidates), <= budget."""
+def always_kept(patterns: Sequence[P.Pattern]) -> int:
+    """The largest always-kept part (sinks + windows) of the candidates."""
     reserved = 0
     for p in patterns:
         w = max(getattr(p, "window", 0) or 0, getattr(p, "obs_window", 0) or 0) if p.name != "streamingllm" else 1
         reserved = max(reserved, (getattr(p, "n_sink", 0) or 0) + w)
-    return min(budget, max(budget // 4, reserved))
+    return reserved
+
+
+def default_b_min(budget: int, patterns: Sequence[P.Pattern]) -> int:
+    """max(budget // 4, the largest always-kept part (sinks + windows) of the candidates), <= budget."""
+    return min(budget, max(budget // 4, always_kept(patterns)))
 
 
 def signals_path_for(out: Path | None, plan_out: Path | None) -> Path:
@@ -261,6 +266,7 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
     scfg = SignalConfig(budget=budget, patterns=list(patterns), n_cont=n_cont, n_eval=n_eval, phases=tuple(phases),
                         pattern_params=pattern_params)
     pats = {n: scfg.pattern(n) for n in patterns}
+    floor_given = b_min is not None
     if b_min is None:
         b_min = default_b_min(budget, list(pats.values()))
     if not 1 <= b_min <= budget:
@@ -402,6 +408,10 @@ def calibrate(hf_dir: str | Path, gguf_path: str | Path, out: str | Path | None,
     plan = dataclasses.replace(plan, evict_every=evict_every)
     if span_ctx and any(windows):
         plan = plan.span_split(windows, span_ctx)
+        if not floor_given:
+            # the split's proportions down to what the patterns always keep: with the floor at a quarter of the
+            # budget, every layer was equal again at a quarter (Gemma-3-270M at 128: 1.4 against 41.5 split)
+            plan = plan.with_floor(min(plan.b_min, max(1, always_kept(list(pats.values())))))
         log(f"budgets split by span (sliding-window layers {min(w for w in windows if w)} tokens, the others "
             f"{span_ctx}): {plan.token_budgets('prefill')}")
     wall = time.perf_counter() - t_start

@@ -1035,6 +1035,27 @@ class Plan:
         rule = self.budget_rule if self.budget_rule.endswith("+span") else f"{self.budget_rule}+span"
         return replace(self, layers=new_layers, provenance=prov, budget_rule=rule, exact_total=False).validate()
 
+    def with_floor(self, b_min: int) -> "Plan":
+        """The plan with the floor ``b_min``: the same budgets at ``budget_avg`` (a share plan's resolved ones), given
+        as shares of what lies above the new floor, so that :meth:`scaled` keeps their proportions down to it (with a
+        floor at a quarter of the budget every layer is equal once ``--kv-budget`` falls to that quarter). A budget
+        below the new floor is an error."""
+        if not _is_int(b_min) or not 0 <= b_min <= self.budget_avg:
+            raise PlanError(f"b_min must be an integer from 0 to budget_avg {self.budget_avg} (got {b_min!r})")
+        new_layers = self._layer_copies()
+        for ph in PHASES:
+            budgets = self.token_budgets(ph)
+            idx = [i for i, b in enumerate(budgets) if b is not None]
+            for i in idx:
+                if budgets[i] < b_min:
+                    raise PlanError(f"layer {i} {ph}: budget {budgets[i]} is below the new b_min {b_min}")
+            above = [budgets[i] - b_min for i in idx]
+            total = sum(above)
+            for i, a in zip(idx, above):
+                pp = new_layers[i].phase(ph)
+                pp.budget, pp.share = None, (a / total if total else 1 / len(idx))
+        return replace(self, layers=new_layers, b_min=b_min).validate()
+
     def tail_applied(self, n_ctx: int | None = None, caps: Sequence[int | None] | None = None) -> "Plan":
         """The plan the runtime runs for :attr:`protect_tail`: every budgeted layer's budget grows by the tail in
         both phases (up to ``n_ctx`` and a sliding-window layer's ``caps[l]``, but never shrinks) and its prefill

@@ -202,6 +202,12 @@ def test_budgets_split_by_span_on_a_model_with_sliding_window_layers(tiny, monke
     assert b1[0] < b0[0] and b1[1] > b0[1]  # the sliding-window layer gives tokens to the global ones
     with pytest.raises(CalibrationError, match="--span-ctx"):
         _run(d, "span", budget=24, b_min=8, span_ctx=-1)
+    # without --b-min the split keeps its proportions down to what the patterns always keep, not budget / 4
+    plain48 = _run(d, "span", budget=48, pattern_params=DISTINCT, span_ctx=0).plan
+    split48 = _run(d, "span", budget=48, pattern_params=DISTINCT, span_ctx=80).plan
+    assert plain48.b_min == 12 and split48.b_min == 5               # budget / 4, and StreamingLLM's 4 sinks + 1
+    assert split48.token_budgets("prefill") == plain48.span_split(windows, 80).token_budgets("prefill")
+    assert split48.scaled(12).token_budgets("prefill") != [12, 12, 12]
 
 
 def test_determinism_and_signal_reuse(tiny):

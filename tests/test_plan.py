@@ -671,6 +671,25 @@ def test_shipped_plans_validate_for_the_model_they_name(path):
     assert half.n_layer == plan.n_layer and half.budget_avg == max(plan.budget_avg // 2, plan.b_min)
 
 
+def test_a_lower_floor_keeps_the_budgets_and_their_proportions_below_the_old_floor():
+    """Plan.with_floor: the same budgets at budget_avg; rescaled, b_min plus the proportions of what lies above it,
+    worked out by hand; at the old floor the old plan is flat and the new one is not."""
+    plan = P.uniform_plan(4, "snapkv", 128).span_split([64, None, 64, None], 1024)   # [43, 213, 43, 213], b_min 32
+    low = plan.with_floor(8)
+    assert low.b_min == 8
+    for ph in ("prefill", "decode"):
+        assert low.token_budgets(ph) == plan.token_budgets(ph)
+        assert [pp.share for pp in low.phase_plans(ph)] == pytest.approx([35 / 480, 205 / 480] * 2)
+    assert plan.scaled(32).token_budgets("prefill") == [32, 32, 32, 32]
+    # 4 x 32 tokens: 4 x 8, and 96 split 35 : 205 -> 7 / 41 by largest remainder
+    assert low.scaled(32).token_budgets("prefill") == [15, 49, 15, 49]
+    assert P.Plan.from_json(low.to_json()).validate(n_layer=4).token_budgets("decode") == plan.token_budgets("decode")
+    with pytest.raises(P.PlanError, match="below the new b_min 50"):
+        plan.with_floor(50)
+    with pytest.raises(P.PlanError, match="b_min must be"):
+        plan.with_floor(-1)
+
+
 def test_span_split_gives_every_layer_the_same_share_of_what_it_attends_to():
     """Plan.span_split: shares in proportion to budget x span (a sliding-window layer's window, else the context);
     rescaled, each layer keeps b_min plus its part of the rest, worked out by hand here."""
