@@ -1045,7 +1045,7 @@ class Plan:
         new_layers = self._layer_copies()
         for ph in PHASES:
             budgets = self.token_budgets(ph)
-            idx = [i for i, b in enumerate(budgets) if b is not None]
+            idx = budgeted_layers(self.phase_plans(ph))
             for i in idx:
                 if budgets[i] < b_min:
                     raise PlanError(f"layer {i} {ph}: budget {budgets[i]} is below the new b_min {b_min}")
