@@ -364,6 +364,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
         raise CalibrationError(f"--n-cont must be in [2, ctx/2) (got {n_cont})")
     reserved = max(max(lp.prefill.reserved, lp.decode.reserved) for lp in
                    (build(1, [p], [budget], budget, 1).layers[0] for p in patterns))
+    floor_given = b_min is not None
     b_min = b_min if b_min is not None else min(budget, max(budget // 4, reserved))
     if not reserved <= b_min <= budget:
         raise CalibrationError(f"b_min {b_min} must be within [{reserved}, {budget}] (sinks + windows of the "
@@ -412,6 +413,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             return r[objective]
 
         steps: list[SearchStep] = []
+        split_by_span = False
         # a sliding-window layer cannot use more than its window: the start gives the rest to the other layers
         start = plan_mod.allocate_budgets(n_layer * budget, [1] * n_layer, b_min, windows)
         uniform = {p: measure([p] * n_layer, start, f"uniform {p}") for p in patterns}
@@ -426,7 +428,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             ok = loss < cur * (1 - min_gain)
             steps.append(SearchStep(f"budgets in proportion to the layers' spans: {cand_b}", loss, ok))
             if ok:
-                buds, cur = cand_b, loss
+                buds, cur, split_by_span = cand_b, loss, True
         if budgets_from_scores:
             # the global rule of KVzip / Ada-KV, learned once: each layer's budget follows its share of the
             # model's best-scored (head, token) pairs on the calibration contexts. The scorer may differ from
@@ -486,6 +488,10 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                    "prompt_budgets": allocation == "prompt",
                    **({"score_pattern": score_pattern} if score_pattern else {})})
         plan = with_allocation(build(n_layer, pats, buds, budget, b_min, provenance=prov), allocation)
+        if split_by_span and not floor_given and plan.b_min > reserved:
+            # as `calibrate`'s transformers method: the split's proportions down to what the patterns always keep,
+            # not to a quarter of the budget, where every layer would be equal again (--kv-budget 128 of a 512 plan)
+            plan = plan.with_floor(reserved)
 
     plan = dataclasses.replace(plan, evict_every=evict_every)  # checked on entry; build() validated the rest
     res = RuntimeCalibration(plan=plan, out=None, objective=objective, loss_uniform=uniform, loss_plan=cur,

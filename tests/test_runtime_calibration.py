@@ -322,3 +322,21 @@ def test_search_tries_budgets_by_span_when_the_model_has_sliding_window_layers(s
                                     rel=1e-3, abs=1e-5)
     assert step.accepted == (step.kl < res.loss_uniform["snapkv"] * (1 - DEFAULT_MIN_GAIN))
     assert ([lp.prefill.budget for lp in res.plan.layers] == [35, 61]) is step.accepted
+
+
+def test_a_plan_split_by_span_keeps_its_proportions_down_to_what_its_patterns_always_keep(tiny_gguf, monkeypatch):
+    """When the search keeps the budgets by span, the plan's floor becomes what its patterns always keep (32 for
+    SnapKV here), not a quarter of the budget (40): the budgets at the plan's own budget are those searched, and
+    `--kv-budget 64` keeps their proportions instead of making both layers equal at 40 + what is left. A floor the
+    user gave (`b_min`) is kept."""
+    monkeypatch.setattr(Model, "attention_windows", lambda self: [40, None])
+    kw = dict(budget=160, samples=1, ctx=384, n_cont=32, patterns=("snapkv",), budget_moves=False,
+              prompt_budgets=False, min_gain=-10.0, progress=False, log=lambda m: None)  # accept the span step
+    res = runtime_calibrate(tiny_gguf, None, **kw)
+    assert res.steps[1].accepted and res.steps[1].what == "budgets in proportion to the layers' spans: [40, 280]"
+    assert res.plan.b_min == 32
+    assert res.plan.token_budgets("prefill") == [40, 280]
+    assert res.plan.scaled(64).token_budgets("prefill") == [34, 94]  # 32 + 64 x 8/256 and 32 + 64 x 248/256
+    given = runtime_calibrate(tiny_gguf, None, b_min=40, **kw)
+    assert given.plan.b_min == 40 and given.plan.token_budgets("prefill") == [40, 280]
+    assert given.plan.scaled(64).token_budgets("prefill") == [40, 88]
