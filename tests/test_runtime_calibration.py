@@ -327,8 +327,8 @@ def test_search_tries_budgets_by_span_when_the_model_has_sliding_window_layers(s
 def test_a_plan_split_by_span_keeps_its_proportions_down_to_what_its_patterns_always_keep(tiny_gguf, monkeypatch):
     """When the search keeps the budgets by span, the plan's floor becomes what its patterns always keep (32 for
     SnapKV here), not a quarter of the budget (40): the budgets at the plan's own budget are those searched, and
-    `--kv-budget 64` keeps their proportions instead of making both layers equal at 40 + what is left. A floor the
-    user gave (`b_min`) is kept."""
+    `--kv-budget 64` keeps their proportions instead of holding layer 0 at the old floor (40). A floor the user
+    gave (`b_min`) is kept."""
     monkeypatch.setattr(Model, "attention_windows", lambda self: [40, None])
     kw = dict(budget=160, samples=1, ctx=384, n_cont=32, patterns=("snapkv",), budget_moves=False,
               prompt_budgets=False, min_gain=-10.0, progress=False, log=lambda m: None)  # accept the span step
