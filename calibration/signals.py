@@ -97,6 +97,17 @@ def visible(q_pos: Any, k_pos: Any, window: int | None) -> Any:
     return m
 
 
+def layers_visible(q_pos: Any, k_pos: Any, windows: Sequence[int | None]) -> Any:
+    """Bool [L, len(q_pos), len(k_pos)]: :func:`visible` for each layer's window, one mask per distinct window;
+    [1, ...] (broadcast over the layers) when every layer has the same one, as on a model without windows."""
+    import torch
+
+    masks = {w: visible(q_pos, k_pos, w) for w in dict.fromkeys(windows)}
+    if len(masks) == 1:
+        return next(iter(masks.values()))[None]
+    return torch.stack([masks[w] for w in windows])
+
+
 @dataclass
 class SignalConfig:
     budget: int
@@ -215,7 +226,8 @@ def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequ
 
     # prompt statistics (full causal attention of the prompt queries)
     lgp = torch.einsum("lhtd,lhsd->lhts", q[:, :, :P0], kr[:, :, :P0]) * scale
-    mp = torch.stack([visible(torch.arange(P0), torch.arange(P0), lt.window) for lt in layers])   # [L, P0, P0]
+    windows = [lt.window for lt in layers]
+    mp = layers_visible(torch.arange(P0), torch.arange(P0), windows)                 # [L or 1, P0, P0]
     pp = torch.softmax(lgp.masked_fill(~mp[:, None], float("-inf")), dim=-1).mean(1)   # [L, P0, P0]
     acc0 = pp.sum(1).double().numpy()                            # [L, P0]
     pats = [cfg.pattern(n) for n in cfg.patterns]
@@ -234,7 +246,7 @@ def decode_signals(layers: Sequence[LayerTensors], w_o: Sequence[Any], b_o: Sequ
         bar.update(min(T, c0 + chunk) - c0)
         c1 = min(T, c0 + chunk)
         lgc = (torch.einsum("lhtd,lhsd->lhts", q[:, :, c0:c1], kr[:, :, :c1]) * scale)       # [L, H, c, c1]
-        mc = torch.stack([visible(torch.arange(c0, c1), torch.arange(c1), lt.window) for lt in layers])
+        mc = layers_visible(torch.arange(c0, c1), torch.arange(c1), windows)
         lgc = lgc.masked_fill(~mc[:, None], float("-inf"))
         ev = [t for t in range(c0, c1) if t in eval_set]
         o_full = {}
