@@ -525,11 +525,17 @@ KVZIP_PREFIX = KVZIP_INSTRUCTION + "\n\n"
 
 
 class Context:
-    """An inference context (KV cache + compute buffers) over a `Model`."""
+    """An inference context (KV cache + compute buffers) over a `Model`.
+
+    ``swa_full`` (models with sliding-window layers, without a plan): None keeps llama.cpp's C API default, a
+    full-size cache in those layers (as llama-cpp-python); False gives them their window + one ubatch, as llama.cpp's
+    tools do by default (less memory; results differ in rounding once a prompt outgrows that cache). A plan's
+    sliding-window layers hold at most their window + one ubatch either way.
+    """
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 2048, n_ubatch: int = 512,
                  n_threads: int | None = None, flash_attn: str = "auto", type_k: str = "f16",
-                 type_v: str = "f16", n_seq_max: int = 1):
+                 type_v: str = "f16", n_seq_max: int = 1, swa_full: bool | None = None):
         self.model = model
         self._lib = model._lib
         params = self._lib.llama_context_default_params()
@@ -550,6 +556,9 @@ class Context:
         params.type_k = KV_TYPES[type_k]
         params.type_v = KV_TYPES[type_v]
         self.type_k, self.type_v = type_k, type_v
+        if swa_full is not None:
+            params.swa_full = swa_full
+        self.swa_full = bool(params.swa_full)
         params.no_perf = False
         mark = _native.log_mark()
         self._ptr = self._lib.llama_init_from_model(model.ptr, params)

@@ -28,14 +28,30 @@ EXTENSIONS = ("polykv_cpp.models", "polykv_cpp.plan", "polykv_cpp.plan_view", "c
               "polykv_cpp.evaluation.cli", "polykv_cpp.evaluation.kvpress_check", "polykv_cpp.llama_cpp_python")
 
 
-def kv_cache_bytes(model, n_ctx: int, bytes_per_elem_k: float = 2.0, bytes_per_elem_v: float = 2.0) -> int:
-    """Bytes of a stock (FullKV) cache of n_ctx cells: every layer stores K and V for every cell."""
+def stock_layer_cells(model, n_ctx: int, n_ubatch: int | None) -> list[int]:
+    """Cells of each layer's stock (FullKV) cache at n_ctx: every cell of the context, except that with `n_ubatch`
+    given a sliding-window layer gets the SWA cache llama.cpp's tools allocate by default (no --swa-full): its
+    window + one ubatch, padded to 256 (llama_kv_cache_iswa). `n_ubatch` None: the full-size SWA cache (the C API's
+    default context parameters, `swa_full`)."""
+    cells = []
+    for window in model.attention_windows():
+        if window and n_ubatch:
+            cells.append(-(-min(n_ctx, window + n_ubatch) // 256) * 256)
+        else:
+            cells.append(n_ctx)
+    return cells
+
+
+def kv_cache_bytes(model, n_ctx: int, bytes_per_elem_k: float = 2.0, bytes_per_elem_v: float = 2.0,
+                   n_ubatch: int | None = None) -> int:
+    """Bytes of a stock (FullKV) cache of n_ctx cells: every layer stores K and V for each of its cells
+    (`stock_layer_cells`: with `n_ubatch`, sliding-window layers hold their SWA cache as llama.cpp's tools do)."""
     arch = model.meta("general.architecture") or ""
     n_head = model.n_head
     head_k = int(model.meta(f"{arch}.attention.key_length") or model.n_embd // max(n_head, 1))
     head_v = int(model.meta(f"{arch}.attention.value_length") or head_k)
     per_cell = model.n_head_kv * (head_k * bytes_per_elem_k + head_v * bytes_per_elem_v)
-    return int(model.n_layer * n_ctx * per_cell)
+    return int(sum(stock_layer_cells(model, n_ctx, n_ubatch)) * per_cell)
 
 
 def _read_prompt(args) -> str:
@@ -100,7 +116,7 @@ def cmd_run(args) -> int:
         model.set_plan(plan, kv_budget=args.kv_budget or 0, prefill=mode, prefill_slack=args.prefill_slack)
         with model.context(n_ctx=args.ctx_size, n_batch=args.batch_size, n_ubatch=args.ubatch_size,
                            n_threads=args.threads, flash_attn=args.flash_attn, type_k=args.cache_type_k,
-                           type_v=args.cache_type_v) as ctx:
+                           type_v=args.cache_type_v, swa_full=args.swa_full) as ctx:
             context, question = split_question(model, prompt, args.question, args.chat)
             tokens = model.tokenize(context)
             q_tokens = model.tokenize(question, add_special=False, parse_special=True) if question else []
@@ -189,9 +205,12 @@ def print_summary(model, ctx, n_prompt: int, t_load: float, verbose_layers: bool
     if not stats:
         from polykv_cpp.api import KV_TYPE_BYTES
 
-        kv = kv_cache_bytes(model, ctx.n_ctx, KV_TYPE_BYTES[ctx.type_k], KV_TYPE_BYTES[ctx.type_v])
-        lines.append(f"KV cache: FullKV (no plan), {ctx.n_ctx} cells x {model.n_layer} layers = {kv / mib:.1f} MiB "
-                     f"(K/V {kv_types}), saved 0.0%")
+        n_ubatch = None if ctx.swa_full else ctx.n_ubatch
+        kv = kv_cache_bytes(model, ctx.n_ctx, KV_TYPE_BYTES[ctx.type_k], KV_TYPE_BYTES[ctx.type_v], n_ubatch)
+        cells = stock_layer_cells(model, ctx.n_ctx, n_ubatch)
+        layout = f"{ctx.n_ctx} cells x {model.n_layer} layers" if len(set(cells)) == 1 else \
+            f"{sum(cells)} cells in {model.n_layer} layers (sliding-window layers {min(cells)})"
+        lines.append(f"KV cache: FullKV (no plan), {layout} = {kv / mib:.1f} MiB (K/V {kv_types}), saved 0.0%")
     else:
         used = sum(s.bytes for s in stats)
         full = sum(s.bytes_fullkv for s in stats)
@@ -261,6 +280,10 @@ def add_run_parser(sub) -> None:
     p.add_argument("-fa", "--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("-ctk", "--cache-type-k", default="f16")
     p.add_argument("-ctv", "--cache-type-v", default="f16")
+    p.add_argument("--swa-full", action="store_true",
+                   help="without a plan: a full-size cache for sliding-window layers, as llama.cpp's --swa-full "
+                        "(default: their window + one ubatch, as llama.cpp's tools); a plan's sliding-window layers "
+                        "always hold at most that")
     p.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)

@@ -136,9 +136,14 @@ def _make_plan(spec: dict, n_layer: int):
 
 def run_config(spec: dict) -> dict:
     """Measure one configuration in this process (the worker side); returns the result dict."""
+    import inspect
+
     import numpy as np
 
-    from polykv_cpp.api import KV_TYPE_BYTES, Model
+    from polykv_cpp.api import KV_TYPE_BYTES, Context, Model
+
+    # FullKV as llama.cpp's tools allocate it (sliding-window layers: window + one ubatch); an older package: its default
+    stock_swa = {"swa_full": False} if "swa_full" in inspect.signature(Context.__init__).parameters else {}
 
     s = spec["settings"]
     res: dict = {"name": spec["name"], "kind": spec["kind"], "loadavg_start": _loadavg()}
@@ -164,12 +169,13 @@ def run_config(spec: dict) -> dict:
         tokens, files = prompt_tokens(model, need)
         res["prompt_files"] = files[:5] + (["..."] if len(files) > 5 else [])
         with model.context(n_ctx=s["ctx"], n_batch=s["n_batch"], n_ubatch=s["n_ubatch"], n_threads=s["threads"],
-                           flash_attn=s["flash_attn"], type_k=s["type_k"], type_v=s["type_v"]) as ctx:
+                           flash_attn=s["flash_attn"], type_k=s["type_k"], type_v=s["type_v"], **stock_swa) as ctx:
             res["n_ctx"] = ctx.n_ctx
             res["polykv_active"] = ctx.polykv_active
             res["rss_after_context_bytes"] = _proc_status("VmRSS")
             stats = ctx.kv_layer_stats()
-            fullkv_formula = _fullkv_bytes(model, ctx.n_ctx, KV_TYPE_BYTES[s["type_k"]], KV_TYPE_BYTES[s["type_v"]])
+            fullkv_formula = _fullkv_bytes(model, ctx.n_ctx, KV_TYPE_BYTES[s["type_k"]], KV_TYPE_BYTES[s["type_v"]],
+                                           ctx.n_ubatch)
             if stats:
                 res["kv_bytes"] = sum(x.bytes for x in stats)
                 res["kv_bytes_fullkv"] = sum(x.bytes_fullkv for x in stats)
@@ -281,12 +287,13 @@ def run_config(spec: dict) -> dict:
     return res
 
 
-def _fullkv_bytes(model, n_ctx: int, bk: float, bv: float) -> int:
-    """Stock cache bytes: every layer stores K and V of every cell (as `polykv_cpp.cli.kv_cache_bytes`)."""
+def _fullkv_bytes(model, n_ctx: int, bk: float, bv: float, n_ubatch: int) -> int:
+    """Stock cache bytes: every layer stores K and V of every cell, a sliding-window layer of its window + one
+    ubatch (as `polykv_cpp.cli.kv_cache_bytes`; an older package: every layer every cell)."""
     try:
         from polykv_cpp.cli import kv_cache_bytes
 
-        return kv_cache_bytes(model, n_ctx, bk, bv)
+        return kv_cache_bytes(model, n_ctx, bk, bv, n_ubatch)
     except ImportError:  # older package: same formula
         arch = model.meta("general.architecture") or ""
         head_k = int(model.meta(f"{arch}.attention.key_length") or model.n_embd // max(model.n_head, 1))

@@ -1839,7 +1839,7 @@ int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct ll
         return 0;
     }
     // several sequences: cells, evictions and bytes summed over the sequences' caches; FullKV is the stock cache of
-    // the whole context
+    // the whole context, as llama.cpp's tools allocate it (a sliding-window layer: its SWA cache, not n_ctx cells)
     const auto * seqs = dynamic_cast<const llama_kv_cache_poly_seqs *>(llama_get_memory(ctx));
     const uint32_t n_ctx_total = seqs ? seqs->get_n_ctx_total() : polys.front()->get_n_ctx();
     int32_t n = 0;
@@ -1869,7 +1869,8 @@ int32_t llama_polykv_get_layer_stats(const struct llama_context * ctx, struct ll
                 s.n_evicted += pg.n_evicted;
                 s.bytes     += poly->group_bytes(g) / pg.layers.size();
             }
-            s.bytes_fullkv    = (uint64_t) ((double) s.bytes / s.capacity * n_ctx_total);
+            const uint32_t n_fullkv = grp.is_swa ? polys.front()->stock_swa_cells(n_ctx_total, (uint32_t) polys.size()) : n_ctx_total;
+            s.bytes_fullkv    = (uint64_t) ((double) s.bytes / s.capacity * n_fullkv);
         }
         n++;
     }

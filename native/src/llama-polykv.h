@@ -204,6 +204,11 @@ public:
 
     const llama_polykv_plan & get_plan() const { return plan; }
     uint32_t get_n_ctx() const { return n_ctx; }
+    // cells of the SWA cache stock llama.cpp gives a sliding-window layer at its tools' defaults (no --swa-full):
+    // the window of each of n_seq sequences + one ubatch, padded to 256 (llama_kv_cache_iswa)
+    uint32_t stock_swa_cells(uint32_t n_ctx_total, uint32_t n_seq) const {
+        return GGML_PAD(std::min(n_ctx_total, hparams.n_swa * n_seq + n_ubatch), 256);
+    }
     // the sequence this cache holds (a context of several sequences has one llama_kv_cache_poly per sequence)
     llama_seq_id get_seq() const { return seq; }
 

@@ -662,9 +662,10 @@ class Evaluator:
             if cfg.prompt_probe:
                 run.info["prompt_probe"] = cfg.prompt_probe
         self.reuse["contexts_created"] += 1
+        # swa_full False: FullKV's sliding-window layers hold what llama.cpp's tools give them (a plan's never more)
         return self.model.context(n_ctx=self.n_ctx, n_batch=cfg.n_batch, n_ubatch=cfg.n_ubatch,
                                   n_threads=cfg.n_threads, flash_attn=cfg.flash_attn, type_k=cfg.type_k,
-                                  type_v=cfg.type_v)
+                                  type_v=cfg.type_v, swa_full=False)
 
     def _prefill_slack(self, run: Run) -> float:
         """The slack of `run`'s chunked prefill: --prefill-slack, else its plan's own, else 1."""
@@ -677,7 +678,8 @@ class Evaluator:
         from polykv_cpp.cli import kv_cache_bytes
 
         stats = ctx.kv_layer_stats()
-        full = kv_cache_bytes(self.model, self.n_ctx, KV_TYPE_BYTES[self.cfg.type_k], KV_TYPE_BYTES[self.cfg.type_v])
+        full = kv_cache_bytes(self.model, self.n_ctx, KV_TYPE_BYTES[self.cfg.type_k], KV_TYPE_BYTES[self.cfg.type_v],
+                              None if ctx.swa_full else ctx.n_ubatch)
         if stats:
             run.info["kv_bytes"] = int(sum(s.bytes for s in stats))
             run.info["kv_bytes_fullkv"] = int(sum(s.bytes_fullkv for s in stats))
