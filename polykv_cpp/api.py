@@ -189,7 +189,7 @@ class LayerStats:
     used: int
     n_evicted: int
     bytes: int
-    bytes_fullkv: int
+    bytes_fullkv: int  # what stock llama.cpp's tools allocate for the layer (sliding-window layers: window + ubatch)
     cell_pad: int  # capacity is a multiple of it: 32 cells on the CPU, 256 on a GPU
 
 
