@@ -277,9 +277,11 @@ _lock = threading.Lock()
 _lib = None
 _log_lines: collections.deque[tuple[int, int, str]] = collections.deque(maxlen=200)
 _log_count = 0
+_log_skipping = False  # the line being continued was a debug line
 GGML_LOG_LEVEL_ERROR = 4
 GGML_LOG_LEVEL_WARN = 3
 GGML_LOG_LEVEL_CONT = 5
+GGML_LOG_LEVEL_DEBUG = 1
 
 
 def lib_dir() -> Path:
@@ -294,7 +296,13 @@ def bin_dir() -> Path:
 
 @ffi.callback("void(int, const char *, void *)")
 def _log_callback(level, text, _user_data):
-    global _log_count
+    global _log_count, _log_skipping
+    if level == GGML_LOG_LEVEL_DEBUG or (level == GGML_LOG_LEVEL_CONT and _log_skipping):
+        # not kept: a graph build logs a debug line per input tensor, hundreds per context, which would push the
+        # warnings and information out of the bounded history
+        _log_skipping = True
+        return
+    _log_skipping = False
     msg = ffi.string(text).decode("utf-8", "replace") if text != ffi.NULL else ""
     if level == GGML_LOG_LEVEL_CONT and _log_lines:
         seq, prev_level, prev = _log_lines[-1]
@@ -302,7 +310,7 @@ def _log_callback(level, text, _user_data):
     else:
         _log_count += 1
         _log_lines.append((_log_count, level, msg))
-    if _verbose and level != 1:
+    if _verbose:
         sys.stderr.write(msg)
 
 

@@ -88,6 +88,12 @@ report() {
             echo
             cat "$BUILD/bench_noreuse.md"
         fi
+        if [ -f "$BUILD/bench_unpacked.md" ]; then
+            echo
+            echo "The shipped plan (evict_every 64) with the groups' graph inputs copied one by one (LLAMA_POLYKV_PACK_INPUTS=0):"
+            echo
+            cat "$BUILD/bench_unpacked.md"
+        fi
         if [ -f "$BUILD/bench_hostrepack.md" ]; then
             echo
             echo "The per-head plan with its moved rows copied by the host (LLAMA_POLYKV_DEVICE_REPACK=0):"
@@ -319,9 +325,15 @@ step bench_hostrepack 300 env LLAMA_POLYKV_DEVICE_REPACK=0 "$PY" scripts/bench_k
     --depths "$REUSE_DEPTH" --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --plan "$HEAD_PLAN" \
     --kv-budget 512 --no-progress --out "$BUILD/bench_hostrepack.json" --md "$BUILD/bench_hostrepack.md"
 
+# ---- the groups' graph inputs copied one by one (LLAMA_POLYKV_PACK_INPUTS=0, as before session 53: ~3 synchronous
+# copies per layer and ubatch) against the default, packed into one input per type ----------------------------------
+step bench_unpacked 300 env LLAMA_POLYKV_PACK_INPUTS=0 "$PY" scripts/bench_kv.py --model "$MODEL" -ngl "$NGL" -fa on \
+    --depths "$REUSE_DEPTH" --prefill-len "$PREFILL" --n-gen 64 --reps "$REPS" --ctx $((MAXD + 160)) --plan "$SHIPPED_E64" \
+    --kv-budget 512 --no-progress --out "$BUILD/bench_unpacked.json" --md "$BUILD/bench_unpacked.md"
+
 # ---- the native suites with every layer offloaded (last: the CPU runs them in CI) ------------------------------
 step test_native_ngl99 900 env LLAMA_ARG_N_GPU_LAYERS=99 "$PY" -m pytest -q -p no:cacheprovider -rs \
-    tests/test_polykv_native.py tests/test_per_head.py tests/test_device_repack.py \
+    tests/test_polykv_native.py tests/test_per_head.py tests/test_device_repack.py tests/test_packed_inputs.py \
     --junitxml="$OUT_DIR/test_native_ngl99.xml"
 
 # ---- report ----------------------------------------------------------------------------------------------------

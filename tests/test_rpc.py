@@ -40,13 +40,15 @@ CHILD = textwrap.dedent("""
     with Model(path, n_gpu_layers=ngl) as model:
         plan = Plan.from_json(open(plan_path).read())
         model.set_plan(plan)
+        mark = _native.log_mark()
         with model.context(n_ctx=512, n_batch=32, n_ubatch=32, n_threads=1) as ctx:
+            packed = "are packed into" in _native.log_since(mark, min_level=2)
             out = list(ctx.generate_tokens(prompt, max_tokens=12))
             heads = [0, 1] if per_head == "head" else [None]
             kept = {f"{il}/{h}": ctx.kept_positions(il, h) for il in range(2) for h in heads}
             stats = [(s.capacity, s.used, s.n_evicted) for s in ctx.kv_layer_stats()]
             repacks = ctx.device_repacks()
-    print(json.dumps({"tokens": out, "kept": kept, "stats": stats, "device_repacks": repacks}))
+    print(json.dumps({"tokens": out, "kept": kept, "stats": stats, "device_repacks": repacks, "packed": packed}))
 """)
 
 
@@ -109,6 +111,8 @@ def test_a_plan_runs_on_an_rpc_server_as_locally(path, server, tmp_path, selecti
     # round trip per moved row); in host memory, by plain copies
     assert local["device_repacks"] == 0
     assert (remote["device_repacks"] > 0) == (selection == "head")
+    # the groups' graph inputs cross to the server packed, one per type (test_packed_inputs.py), not on the host
+    assert remote["packed"] and not local["packed"]
 
 
 def test_cli_run_with_rpc(path, server, tmp_path, cli_exe):

@@ -4,8 +4,10 @@
 #include "llama-polykv.h"
 
 #include "llama-cparams.h"
+#include "llama-impl.h"
 
 #include <cmath>
+#include <cstdlib>
 
 void llama_kv_cache_poly::set_input_kq_mask_heads(uint32_t g, ggml_tensor * dst, const llama_ubatch * ubatch) const {
     const auto & grp = groups[g];
@@ -107,24 +109,31 @@ void llm_graph_input_attn_kv_poly::set_input(const llama_ubatch * ubatch) {
         grp.t_ea_sum     = outputs[g].ea_sum;
         grp.t_ea_sq      = outputs[g].ea_sq;
     }
+    for (const auto & pk : packs) {
+        // the members are not graph tensors: they live at their offsets in the packed input, if this graph has it
+        for (const auto & m : pk.members) {
+            m.first->buffer = pk.packed->buffer;
+            m.first->data   = pk.packed->buffer ? (char *) pk.packed->data + m.second : nullptr;
+        }
+    }
     for (size_t g = 0; g < groups.size(); ++g) {
         auto & inp = groups[g];
-        if (!head_masks[g]) {
-            inp->set_input(ubatch);
-            continue;
+        if (in_k_idxs[g] && in_k_idxs[g]->buffer) {
+            inp->mctx->set_input_k_idxs(in_k_idxs[g], ubatch);
         }
-        // per-head group: the stock idxs and rotations, a mask of our own
-        if (inp->self_k_idxs && inp->self_k_idxs->buffer) {
-            inp->mctx->set_input_k_idxs(inp->self_k_idxs, ubatch);
+        if (in_v_idxs[g] && in_v_idxs[g]->buffer) {
+            inp->mctx->set_input_v_idxs(in_v_idxs[g], ubatch);
         }
-        if (inp->self_v_idxs && inp->self_v_idxs->buffer) {
-            inp->mctx->set_input_v_idxs(inp->self_v_idxs, ubatch);
-        }
-        if (head_masks[g]->buffer) {
-            pctx->get_poly()->set_input_kq_mask_heads(g, head_masks[g], ubatch);
+        if (in_masks[g] && in_masks[g]->buffer) {
+            if (head_masks[g]) {
+                // per-head group: a mask of our own
+                poly->set_input_kq_mask_heads(g, in_masks[g], ubatch);
+            } else {
+                inp->mctx->set_input_kq_mask(in_masks[g], ubatch, cparams.causal_attn);
+            }
         }
         if (owner_masks[g] && owner_masks[g]->buffer) {
-            pctx->get_poly()->set_input_owner_mask(g, owner_masks[g]);
+            poly->set_input_owner_mask(g, owner_masks[g]);
         }
         if (inp->self_k_rot && inp->self_k_rot->buffer) {
             inp->mctx->set_input_k_rot(inp->self_k_rot);
@@ -197,6 +206,50 @@ bool llm_graph_input_attn_kv_iswa_poly::can_reuse(const llm_graph_params & param
     return kv->can_reuse(params);
 }
 
+// LLAMA_POLYKV_PACK_INPUTS: 1 packs the graph inputs of the groups (llm_graph_input_attn_kv_poly::packs) whatever
+// the backend, 0 never; unset: when every group's cache is off the host
+static bool should_pack_inputs(const llama_kv_cache_poly & poly) {
+    const char * env = getenv("LLAMA_POLYKV_PACK_INPUTS"); // read each time: a test switches it within one process
+    if (env && *env) {
+        return atoi(env) != 0;
+    }
+    bool off_host = poly.n_groups() > 0;
+    for (uint32_t g = 0; g < poly.n_groups(); ++g) {
+        for (int32_t il : poly.get_group(g).layers) {
+            const ggml_tensor * k = poly.get_group(g).kv->get_k_storage(il);
+            off_host &= k && k->buffer && !ggml_backend_buffer_is_host(k->buffer);
+        }
+    }
+    return off_host; // partly offloaded: the host layers would read the device's copy back
+}
+
+// one graph input holding the given tensors of one type at aligned offsets, and an op on it that the scheduler
+// places with the tensors' readers (a copy within the device): *t becomes a view of that op's result, and the
+// tensor it was becomes a member that set_input fills inside the packed input
+static llm_graph_input_attn_kv_poly::packed_input pack_inputs(ggml_context * ctx0, const std::vector<ggml_tensor **> & ts) {
+    const size_t align = 256; // as a device buffer's; the kernels load masks and indices in wide words
+    const ggml_type type = (*ts.front())->type;
+    std::vector<size_t> offs;
+    size_t total = 0;
+    for (ggml_tensor ** t : ts) {
+        GGML_ASSERT((*t)->type == type && ggml_is_contiguous(*t));
+        offs.push_back(total);
+        total += GGML_PAD(ggml_nbytes(*t), align);
+    }
+    llm_graph_input_attn_kv_poly::packed_input res;
+    res.packed = ggml_new_tensor_1d(ctx0, type, (int64_t) (total / ggml_type_size(type)));
+    ggml_set_input(res.packed);
+    ggml_set_name(res.packed, "polykv_inp_packed");
+    ggml_tensor * dev = ggml_cont(ctx0, res.packed);
+    for (size_t i = 0; i < ts.size(); ++i) {
+        ggml_tensor * t = *ts[i];
+        res.members.push_back({ t, offs[i] });
+        *ts[i] = ggml_view_4d(ctx0, dev, t->ne[0], t->ne[1], t->ne[2], t->ne[3], t->nb[1], t->nb[2], t->nb[3], offs[i]);
+        ggml_set_name(*ts[i], t->name);
+    }
+    return res;
+}
+
 std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         ggml_context * ctx0,
         const llama_ubatch & ubatch,
@@ -221,6 +274,8 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
     // every group cache is one stream: with several sequences each sequence has its own caches and a ubatch holds
     // one sequence (llama_kv_cache_poly_seqs)
     const int64_t n_stream = 1;
+    std::vector<ggml_tensor *> pooled_pos(pctx->n_groups(), nullptr); // what the graph reads of a pooled group's masks
+    std::vector<ggml_tensor *> pooled_own(pctx->n_groups(), nullptr);
     for (uint32_t g = 0; g < pctx->n_groups(); ++g) {
         const auto * gctx = pctx->get_group(g);
         auto ginp = std::make_unique<llm_graph_input_attn_kv>(hparams, cparams, gctx);
@@ -230,38 +285,44 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
         const auto & grp = pctx->get_poly()->get_group(g);
         const ggml_type mask_type = cparams.flash_attn ? GGML_TYPE_F16 : GGML_TYPE_F32;
         const int64_t n_kv = gctx->get_n_kv();
+        ggml_tensor * mask = nullptr;
         if (grp.pooled) {
             // the slots as one KV head (llama_polykv_view_kv) and every query row once per KV head (row t of KV head
             // g is row t + g*n_tokens, llama_polykv_attn_q): a slot is seen by row (t, g) if its position is visible
-            // from t (the input, one slice) and g owns it (a small second input)
+            // from t (the input, one slice) and g owns it (a small second input); the kq mask is built below
             GGML_ASSERT(n_stream == 1);
             const int64_t nh = grp.n_head_kv;
-            ggml_tensor * mask_pos = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, ubatch.n_tokens, 1, 1);
-            ggml_set_input(mask_pos);
-            ggml_set_name(mask_pos, "attn_inp_kq_mask_slots");
+            mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, ubatch.n_tokens, 1, 1);
+            ggml_set_input(mask);
+            ggml_set_name(mask, "attn_inp_kq_mask_slots");
             ggml_tensor * mask_own = ggml_new_tensor_4d(ctx0, mask_type, n_kv*nh, 1, nh, 1);
             ggml_set_input(mask_own);
             ggml_set_name(mask_own, "attn_inp_kq_mask_owners");
-            inp->head_masks.push_back(mask_pos);
+            inp->head_masks.push_back(mask);
             inp->owner_masks.push_back(mask_own);
-            ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, mask_pos, n_kv*nh, ubatch.n_tokens, nh, 1), mask_own);
-            ginp->self_kq_mask = ggml_reshape_2d(ctx0, mask, n_kv*nh, ubatch.n_tokens*nh);
+            pooled_pos[g] = mask;
+            pooled_own[g] = mask_own;
         } else if (grp.per_head) {
             // one mask slice per KV head ([n_kv, n_tokens, 1, n_head_kv]): the attention takes the KV heads as
             // streams (llama_polykv_view_kv), so that a mask has one head slice, as the CUDA kernels need
             GGML_ASSERT(n_stream == 1);
-            ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens, 1, grp.n_head_kv);
-            ggml_set_input(ginp->self_kq_mask);
-            inp->head_masks.push_back(ginp->self_kq_mask);
+            mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens, 1, grp.n_head_kv);
+            ggml_set_input(mask);
+            ggml_set_name(mask, "attn_inp_kq_mask");
+            inp->head_masks.push_back(mask);
             inp->owner_masks.push_back(nullptr);
+            ginp->self_kq_mask = mask;
         } else {
-            ginp->self_kq_mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens/n_stream, 1, n_stream);
+            mask = ggml_new_tensor_4d(ctx0, mask_type, n_kv, ubatch.n_tokens/n_stream, 1, n_stream);
+            ggml_set_input(mask);
+            ggml_set_name(mask, "attn_inp_kq_mask");
             inp->head_masks.push_back(nullptr);
             inp->owner_masks.push_back(nullptr);
-            ggml_set_input(ginp->self_kq_mask);
+            ginp->self_kq_mask = mask;
         }
-        ggml_set_name(ginp->self_kq_mask, "attn_inp_kq_mask");
-        ginp->self_kq_mask_cnv = ginp->self_kq_mask;
+        inp->in_k_idxs.push_back(ginp->self_k_idxs);
+        inp->in_v_idxs.push_back(ginp->self_v_idxs);
+        inp->in_masks.push_back(mask);
         ginp->self_k_rot = gctx->build_input_k_rot(ctx0);
         ginp->self_v_rot = gctx->build_input_v_rot(ctx0);
         inp->groups.push_back(std::move(ginp));
@@ -271,6 +332,53 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
             inp->ea_pos_f = ggml_new_tensor_3d(ctx0, GGML_TYPE_F32, 1, 1, ubatch.n_tokens);
             ggml_set_input(inp->ea_pos_f);
         }
+    }
+    if (should_pack_inputs(*pctx->get_poly())) {
+        // the tensors the graph reads, by type (indices I64, masks F16 or F32)
+        std::vector<std::vector<ggml_tensor **>> by_type;
+        auto add = [&](ggml_tensor ** t) {
+            if (!*t) {
+                return;
+            }
+            for (auto & v : by_type) {
+                if ((*v.front())->type == (*t)->type) {
+                    v.push_back(t);
+                    return;
+                }
+            }
+            by_type.push_back({ t });
+        };
+        for (uint32_t g = 0; g < pctx->n_groups(); ++g) {
+            auto & ginp = inp->groups[g];
+            add(&ginp->self_k_idxs);
+            add(&ginp->self_v_idxs);
+            if (pooled_pos[g]) {
+                add(&pooled_pos[g]);
+                add(&pooled_own[g]);
+            } else {
+                add(&ginp->self_kq_mask);
+            }
+        }
+        for (auto & members : by_type) {
+            inp->packs.push_back(pack_inputs(ctx0, members));
+        }
+        auto * poly = pctx->get_poly();
+        if (!poly->inputs_pack_logged) {
+            LLAMA_LOG_INFO("%s: PolyKV: the graph inputs of %u cache groups are packed into %zu (one copy each to the "
+                           "device per ubatch)\n", __func__, pctx->n_groups(), inp->packs.size());
+            poly->inputs_pack_logged = true;
+        }
+    }
+    for (uint32_t g = 0; g < pctx->n_groups(); ++g) {
+        auto & ginp = inp->groups[g];
+        if (pooled_pos[g]) {
+            const int64_t nh = pooled_own[g]->ne[2];
+            const int64_t n_cols = pooled_pos[g]->ne[0];
+            ggml_tensor * mask = ggml_add(ctx0, ggml_repeat_4d(ctx0, pooled_pos[g], n_cols, ubatch.n_tokens, nh, 1),
+                                          pooled_own[g]);
+            ginp->self_kq_mask = ggml_reshape_2d(ctx0, mask, n_cols, ubatch.n_tokens*nh);
+        }
+        ginp->self_kq_mask_cnv = ginp->self_kq_mask;
     }
     return inp;
 }

@@ -202,6 +202,8 @@ public:
     group &  get_group(uint32_t g) { return groups[g]; }
     const group & get_group(uint32_t g) const { return groups[g]; }
 
+    bool inputs_pack_logged = false; // llama_polykv_build_input said once that it packs the groups' inputs
+
     const llama_polykv_plan & get_plan() const { return plan; }
     uint32_t get_n_ctx() const { return n_ctx; }
     // cells of the SWA cache stock llama.cpp gives a sliding-window layer at its tools' defaults (no --swa-full):
@@ -614,6 +616,22 @@ public:
     // [n_kv*n_head_kv, 1, n_head_kv], added into the kq mask [n_kv*n_head_kv, n_tokens*n_head_kv]
     std::vector<ggml_tensor *> head_masks;
     std::vector<ggml_tensor *> owner_masks;
+
+    // what set_input fills for each group: the index inputs and the mask (a plain group's kq mask, else
+    // head_masks[g]); the graph reads the group input's own tensors, which are the same unless packed
+    std::vector<ggml_tensor *> in_k_idxs;
+    std::vector<ggml_tensor *> in_v_idxs;
+    std::vector<ggml_tensor *> in_masks;
+
+    // with the caches off the host (a GPU, an RPC server), the scheduler copies every graph input to the device
+    // on its own, each copy a synchronous transfer: one per group and kind is ~3 x n_layer transfers per token.
+    // So the inputs of one type are packed into one graph input, copied once and viewed on the device; set_input
+    // writes the members at their offsets in the packed host tensor (LLAMA_POLYKV_PACK_INPUTS=0/1 forces it)
+    struct packed_input {
+        ggml_tensor * packed = nullptr;
+        std::vector<std::pair<ggml_tensor *, size_t>> members; // (tensor set_input fills, byte offset)
+    };
+    std::vector<packed_input> packs;
 
     // Expected Attention (some group needs query statistics): minus the ubatch's positions (I32 [n_tokens]: a
     // RoPE by -p undoes the one by p) and the positions as floats ([1, 1, n_tokens]: which queries count)
