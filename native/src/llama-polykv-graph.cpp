@@ -206,14 +206,19 @@ bool llm_graph_input_attn_kv_iswa_poly::can_reuse(const llm_graph_params & param
     return kv->can_reuse(params);
 }
 
+// ubatches of at most this many tokens pack their inputs by default: decode steps (also speculative and shared
+// ones), whose dozens of copies cost more than their compute. A prompt ubatch's copies are few against its
+// compute, and packing would hold its masks twice on the device (the copied input and the packed op's result)
+#define LLAMA_POLYKV_PACK_MAX_TOKENS 64
+
 // LLAMA_POLYKV_PACK_INPUTS: 1 packs the graph inputs of the groups (llm_graph_input_attn_kv_poly::packs) whatever
-// the backend, 0 never; unset: when every group's cache is off the host
-static bool should_pack_inputs(const llama_kv_cache_poly & poly) {
+// the backend and the ubatch, 0 never; unset: small ubatches when every group's cache is off the host
+static bool should_pack_inputs(const llama_kv_cache_poly & poly, uint32_t n_tokens) {
     const char * env = getenv("LLAMA_POLYKV_PACK_INPUTS"); // read each time: a test switches it within one process
     if (env && *env) {
         return atoi(env) != 0;
     }
-    bool off_host = poly.n_groups() > 0;
+    bool off_host = poly.n_groups() > 0 && n_tokens <= LLAMA_POLYKV_PACK_MAX_TOKENS;
     for (uint32_t g = 0; g < poly.n_groups(); ++g) {
         for (int32_t il : poly.get_group(g).layers) {
             const ggml_tensor * k = poly.get_group(g).kv->get_k_storage(il);
@@ -333,7 +338,7 @@ std::unique_ptr<llm_graph_input_attn_kv_poly> llama_polykv_build_input(
             ggml_set_input(inp->ea_pos_f);
         }
     }
-    if (should_pack_inputs(*pctx->get_poly())) {
+    if (should_pack_inputs(*pctx->get_poly(), ubatch.n_tokens)) {
         // the tensors the graph reads, by type (indices I64, masks F16 or F32)
         std::vector<std::vector<ggml_tensor **>> by_type;
         auto add = [&](ggml_tensor ** t) {

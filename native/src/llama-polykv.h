@@ -625,8 +625,9 @@ public:
 
     // with the caches off the host (a GPU, an RPC server), the scheduler copies every graph input to the device
     // on its own, each copy a synchronous transfer: one per group and kind is ~3 x n_layer transfers per token.
-    // So the inputs of one type are packed into one graph input, copied once and viewed on the device; set_input
-    // writes the members at their offsets in the packed host tensor (LLAMA_POLYKV_PACK_INPUTS=0/1 forces it)
+    // So a decode step's inputs of one type are packed into one graph input, copied once and viewed on the device;
+    // set_input writes the members at their offsets in the packed host tensor (LLAMA_POLYKV_PACK_INPUTS=0/1
+    // forces it for every ubatch)
     struct packed_input {
         ggml_tensor * packed = nullptr;
         std::vector<std::pair<ggml_tensor *, size_t>> members; // (tensor set_input fills, byte offset)
