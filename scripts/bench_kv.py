@@ -32,6 +32,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -134,6 +135,15 @@ def _make_plan(spec: dict, n_layer: int):
     raise ValueError(f"unknown plan kind {spec['kind']!r}")
 
 
+def _graph_inputs(log: str) -> list[int] | None:
+    """The scheduler's count of graph inputs, [prompt, decode] ubatch (each a copy per split to a device; the
+    groups' inputs are packed on a device, docs/design.md), from its reserve line in the context's log."""
+    m = re.search(r"input tensors = (\d+)(?: / (\d+))?", log)
+    if not m:
+        return None
+    return [int(m.group(1)), int(m.group(2) or m.group(1))]
+
+
 def run_config(spec: dict) -> dict:
     """Measure one configuration in this process (the worker side); returns the result dict."""
     import inspect
@@ -168,8 +178,12 @@ def run_config(spec: dict) -> dict:
         need = max(max(s["depths"]), s["prefill_len"])
         tokens, files = prompt_tokens(model, need)
         res["prompt_files"] = files[:5] + (["..."] if len(files) > 5 else [])
+        from polykv_cpp import _native
+
+        mark = _native.log_mark()
         with model.context(n_ctx=s["ctx"], n_batch=s["n_batch"], n_ubatch=s["n_ubatch"], n_threads=s["threads"],
                            flash_attn=s["flash_attn"], type_k=s["type_k"], type_v=s["type_v"], **stock_swa) as ctx:
+            res["graph_inputs"] = _graph_inputs(_native.log_since(mark, min_level=2))
             res["n_ctx"] = ctx.n_ctx
             res["polykv_active"] = ctx.polykv_active
             res["rss_after_context_bytes"] = _proc_status("VmRSS")
@@ -440,11 +454,12 @@ def markdown(report: dict) -> str:
                          f"{c['max_layer_capacity']} | {'yes' if c['full_size_kv_buffer'] else 'no'} | "
                          f"{c['peak_rss_bytes'] / MIB:.1f} |")
     lines.append("")
-    lines.append("| config | prefill length | prefill tok/s | prefill s |")
-    lines.append("|---|---:|---:|---:|")
+    lines.append("| config | prefill length | prefill tok/s | prefill s | graph inputs (prompt / decode ubatch) |")
+    lines.append("|---|---:|---:|---:|---:|")
     for c in report["configs"]:
+        inputs = " / ".join(map(str, c["graph_inputs"])) if c.get("graph_inputs") else "-"
         lines.append(f"| {c['name']} | {c['prefill_len']} | {c['prefill_tok_s_at_len']:.1f} | "
-                     f"{c['prefill_s_at_len']:.2f} |")
+                     f"{c['prefill_s_at_len']:.2f} | {inputs} |")
     if report["ratios"]:
         lines.append("")
         lines.append("| config | metric | value | target | pass |")

@@ -80,6 +80,9 @@ def test_bench_tiny(bench, tiny2, tmp_path, capsys):
     assert r["kv_bytes_ratio"]["pass"] and r["kv_bytes_vs_design"]["pass"]  # memory is deterministic
     assert r["kv_bytes_ratio"]["value"] == pytest.approx(plan["kv_bytes"] / full["kv_bytes"])
     assert r["kv_bytes_ratio"]["value"] < 1
+    # the scheduler's graph inputs: tokens, positions and output rows, and a cache's indices (K, V) and mask;
+    # uniform StreamingLLM's layers share one cache group, so the plan has as many as FullKV
+    assert full["graph_inputs"][1] >= 5 and plan["graph_inputs"] == full["graph_inputs"]
 
     text = capsys.readouterr().out
     assert "| config | depth | prefill tok/s | decode tok/s" in text
