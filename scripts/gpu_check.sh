@@ -332,7 +332,7 @@ step bench_unpacked 300 env LLAMA_POLYKV_PACK_INPUTS=0 "$PY" scripts/bench_kv.py
     --kv-budget 512 --no-progress --out "$BUILD/bench_unpacked.json" --md "$BUILD/bench_unpacked.md"
 
 # ---- the native suites with every layer offloaded (last: the CPU runs them in CI) ------------------------------
-step test_native_ngl99 900 env LLAMA_ARG_N_GPU_LAYERS=99 "$PY" -m pytest -q -p no:cacheprovider -rs \
+step test_native_ngl99 900 env LLAMA_ARG_N_GPU_LAYERS=99 POLYKV_SKIP_SLOW=1 "$PY" -m pytest -q -p no:cacheprovider -rs \
     tests/test_polykv_native.py tests/test_per_head.py tests/test_device_repack.py tests/test_packed_inputs.py \
     --junitxml="$OUT_DIR/test_native_ngl99.xml"
 
