@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 CHILD = """
@@ -41,8 +42,11 @@ LINE = re.compile(r"nodes = ([\d /]+), splits = ([\d /]+), input objects = ([\d 
 def count(model: str, plan: str, pack: str, n_ctx: int, n_ubatch: int) -> dict[str, str]:
     """The scheduler's counts as it logs them ("N", or "prompt / decode" when the two graphs differ)."""
     env = {**os.environ, "LLAMA_POLYKV_PACK_INPUTS": pack}
-    r = subprocess.run([sys.executable, "-c", CHILD, model, plan, str(n_ctx), str(n_ubatch)], capture_output=True,
-                       text=True, env=env, timeout=600)
+    # run outside the source tree, so that the child imports the installed package (with its library), as
+    # bench_kv.py's workers do
+    r = subprocess.run([sys.executable, "-c", CHILD, str(Path(model).resolve()), str(Path(plan).resolve()) if plan else "",
+                        str(n_ctx), str(n_ubatch)], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=tempfile.gettempdir())
     if r.returncode != 0:
         raise SystemExit(f"graph_inputs: {r.stderr[-2000:]}")
     lines = json.loads(r.stdout.strip().splitlines()[-1])
