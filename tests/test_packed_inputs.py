@@ -3,12 +3,12 @@
 A plan gives every cache group its own graph inputs: the cells the ubatch's keys and values go to, and the attention
 mask (per-head layers: a mask slice per KV head; adaptive layers: a visibility mask and an owner mask). Where the
 caches are off the host (a GPU, an RPC server) ggml's scheduler copies each graph input to the device on its own, a
-synchronous transfer each: about three per layer and token. So the library packs the inputs of one type into one
-graph input, copies that once and views it on the device (`llm_graph_input_attn_kv_poly::packs`, `docs/design.md`).
-``LLAMA_POLYKV_PACK_INPUTS=1`` packs on the CPU too: the kept sets and logits must equal the unpacked run's bit for bit
-(the same values at other addresses), for every kind of layer in one graph, flash attention on and off, chunked and
-exact prefill, several sequences in one ubatch, and a sliding-window model. `test_rpc.py` runs the packed inputs on
-a real non-host device, where they are the default.
+synchronous transfer each: about three per layer and token. So the library packs a decode step's inputs of one type
+into one graph input, copies that once and views it on the device (`llm_graph_input_attn_kv_poly::packs`,
+`docs/design.md`). ``LLAMA_POLYKV_PACK_INPUTS=1`` packs every ubatch, on the CPU too: the kept sets and logits must
+equal the unpacked run's bit for bit (the same values at other addresses), for every kind of layer in one graph,
+flash attention on and off, chunked and exact prefill, several sequences in one ubatch, and a sliding-window model.
+`test_rpc.py` runs the packed inputs on a real non-host device, where they are the default.
 """
 
 import os
