@@ -170,7 +170,8 @@ def register_cli(subparsers: Any) -> None:
     g.add_argument("--no-budget-moves", action="store_true", help="search patterns only (uniform budgets)")
     g.add_argument("--no-prompt-budgets", action="store_true",
                    help="do not try the searched plan with its budgets re-split per prompt by the prompt's own "
-                        "scores (\"allocation\": \"prompt\"; tried last and kept if the loss drops)")
+                        "scores (\"allocation\": \"prompt\" and \"prompt_median\"; tried last, the better kept if "
+                        "the loss drops)")
     g.add_argument("--budgets-from-scores", action="store_true",
                    help="before the search, give each layer the share of the best uniform pattern's top-scored "
                         "(head, token) pairs under one model-wide threshold (KVzip's / Ada-KV's global rule), "

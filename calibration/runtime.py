@@ -17,7 +17,8 @@ continuation of calibration texts whose context was compressed (``docs/calibrati
   layers (the pattern preference, measured with every layer compressed, not one layer alone); then move budget
   between layers (a layer gets ``budget/2`` more or less, the others pay or receive in proportion to what they
   hold above ``b_min``) where the KL drops; last, the same plan with its budgets re-split per prompt by the prompt's own
-  scores (``"allocation": "prompt"``, floors at the patterns' sinks and windows). A change is kept when it lowers
+  scores (``"allocation": "prompt"``, then ``"prompt_median"``: relative to each set's median; floors at the
+  patterns' sinks and windows). A change is kept when it lowers
   the KL by more than ``min_gain`` (relative).
 
 Calibration data: natural texts (``dataset`` as for the transformers method), or ``dataset="tasks"``: the
@@ -296,8 +297,9 @@ def build(n_layer: int, patterns: Sequence[str], budgets: Sequence[int], budget:
 
 
 def with_allocation(plan, allocation: str):
-    """`plan` as is (``"plan"``), or with its budgets re-split per prompt (``"prompt"``); the floor of a layer's
-    budget (``b_min``) is then what its patterns always keep (sinks and windows), the least a valid plan allows."""
+    """`plan` as is (``"plan"``), or with its budgets re-split per prompt (``"prompt"``, ``"prompt_median"``); the
+    floor of a layer's budget (``b_min``) is then what its patterns always keep (sinks and windows), the least a
+    valid plan allows."""
     if allocation == "plan":
         return plan
     floor = max([max(lp.prefill.reserved, lp.decode.reserved) for lp in plan.layers] + [1])
@@ -471,11 +473,18 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             # the searched budgets as each prompt's pool, re-split per prompt by its own scores (Ada-KV's and
             # KVzip's global rule, the layers of each pattern among themselves; floors: the patterns' sinks and
             # windows), measured as exact prefill compresses (chunked prefill re-splits within budget x its slack)
-            loss = measure(pats, buds, "budgets per prompt", allocation="prompt")
-            ok = loss < cur * (1 - min_gain)
-            steps.append(SearchStep("budgets re-split per prompt by its scores", loss, ok))
-            if ok:
-                allocation, cur = "prompt", loss
+            # by the raw scores, then by the scores relative to each set's median (a flat layer's many middling
+            # scores no longer outbid the peaked layers); the better of the two is kept if it lowers the loss
+            best = cur
+            for mode, what in (("prompt", "budgets re-split per prompt by its scores"),
+                               ("prompt_median", "budgets re-split per prompt by its scores relative to each "
+                                                 "set's median")):
+                loss = measure(pats, buds, what, allocation=mode)
+                ok = loss < best * (1 - min_gain) and loss < cur * (1 - min_gain)
+                steps.append(SearchStep(what, loss, ok))
+                if ok:
+                    allocation, best = mode, loss
+            cur = best
         if bar is not None:
             bar.close()
 
@@ -485,7 +494,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
             signals=[f"{objective}_runtime"],
             extra={"objective": objective, "loss_uniform": uniform, "loss_plan": cur, "plans_measured": m.n_measured,
                    "accepted": [s.what for s in steps if s.accepted], "budgets_from_scores": budgets_from_scores,
-                   "prompt_budgets": allocation == "prompt",
+                   "prompt_budgets": allocation != "plan", "allocation": allocation,
                    **({"score_pattern": score_pattern} if score_pattern else {})})
         plan = with_allocation(build(n_layer, pats, buds, budget, b_min, provenance=prov), allocation)
         if split_by_span and not floor_given and plan.b_min > reserved:

@@ -453,7 +453,7 @@ class Model:
         if prefill == "chunked":
             slack = plan_mod.chunked_prefill_slack(plan, prefill_slack)
             self._set_prefill_slack(slack)
-            if plan.allocation == "prompt" and not slack > 1:
+            if plan.allocation != "plan" and not slack > 1:
                 warnings.warn("the plan re-splits its budgets per prompt (\"allocation\": \"prompt\"): chunked "
                               "prefill re-splits what each layer holds when the prompt ends (its budget x the prefill "
                               "slack), so with a slack of 1 it keeps the plan's budgets; use prefill=\"exact\" "

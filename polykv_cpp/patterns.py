@@ -780,8 +780,28 @@ def select_adaptive(scores: list[np.ndarray], budget: int) -> list[np.ndarray]:
     return [np.flatnonzero(k) for k in keep]
 
 
+def relative_scores(s: np.ndarray) -> np.ndarray:
+    """A token set's scores relative to its typical token (``"allocation": "prompt_median"``): the finite ones
+    divided by the median of the finite ones (the mean of the two middle ones for an even count, as the runtime
+    computes it); protected tokens (``+inf``) stay. Unchanged when that median is not positive (key norms,
+    ``-norm``; a set of zeros). Within a set the order is the same; across layers a token counts by how far it
+    stands above its own layer's typical token, not by the layer's scale."""
+    s = np.asarray(s, dtype=np.float64)
+    fin = np.isfinite(s)
+    v = np.sort(s[fin])
+    n = len(v)
+    if n == 0:
+        return s
+    med = v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
+    if not med > 0:
+        return s
+    out = s.copy()
+    out[fin] = s[fin] / med
+    return out
+
+
 def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_kv: list[int], b_min: int,
-                    caps: list[int] | None = None) -> list[int]:
+                    caps: list[int] | None = None, relative: bool = False) -> list[int]:
     """A plan's ``"allocation": "prompt"``: the budgets of the scored layers re-split for one prompt by their scores
     across the whole model, KVzip's non-uniform allocation (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache
     Compression with Context Reconstruction"; kvpress ``KVzipPress(layerwise=False)``), with a floor per layer.
@@ -801,6 +821,10 @@ def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_k
     pattern whose scores are not comparable across layers (key norms, H2O's sums over a prompt) allocates by
     the same rule without that meaning. One pool: in a plan whose scored layers use several prefill patterns, the
     runtime calls it once per pattern, on that pattern's layers (scores of different patterns are not on one scale).
+    ``relative=True`` (``"allocation": "prompt_median"``): every set's scores are first divided by the set's median
+    (:func:`relative_scores`), so that a layer whose attention is flat (query-aware SnapKV's first layers) no
+    longer takes the pool with its many middling scores from the peaked layers that hold the needles
+    (docs/results.md, "Per-prompt budgets relative to each layer's median"). Not in the KVzip paper.
     """
     if not (len(scores) == len(budgets) == len(n_head_kv)):
         raise ValueError("allocate_prompt needs one score list, budget and head count per layer")
@@ -812,7 +836,7 @@ def allocate_prompt(scores: list[list[np.ndarray]], budgets: list[int], n_head_k
             raise ValueError(f"layer {l}: one token set or one per KV head ({n_head_kv[l]}), got {len(sets)}")
         unit = n_head_kv[l] if len(sets) == 1 else 1
         for s in sets:
-            s = np.asarray(s, dtype=np.float64)
+            s = relative_scores(s) if relative else np.asarray(s, dtype=np.float64)
             f = min(b_min, len(s))
             top = np.zeros(len(s), dtype=bool)
             top[np.argsort(s, kind="stable")[len(s) - f:]] = True

@@ -79,8 +79,9 @@ PLAN_FORMAT_VERSION = 1
 PLAN_FORMAT_NAME = "polykv-plan"
 #: how a plan merges tokens fed after its prompt was compressed (Plan.followup)
 FOLLOWUP_MODES = ("prefill", "decode", "keep")
-#: where the budgets of a plan's scored layers come from (Plan.allocation): the plan, or each prompt's scores
-ALLOCATION_MODES = ("plan", "prompt")
+#: where the budgets of a plan's scored layers come from (Plan.allocation): the plan, or each prompt's scores (as
+#: they are, or relative to each token set's median score)
+ALLOCATION_MODES = ("plan", "prompt", "prompt_median")
 #: patterns a plan may stream a chunked prompt by (Plan.stream): any that scores a prompt without the whole of it
 #: at once (not KVzip, whose pass needs the whole prompt) and evicts (not FullKV)
 STREAM_PATTERNS = ("streamingllm", "h2o", "snapkv", "tova", "pyramidkv", "knorm", "expected_attention")
@@ -577,6 +578,10 @@ class Plan:
             ones) are re-split for that prompt by their scores across the model, KVzip's non-uniform allocation
             (:func:`polykv_cpp.patterns.allocate_prompt`: same total, at least ``b_min`` per layer), and each
             layer's cache shrinks to its share; the decode budgets follow. Chunked prefill keeps the plan's.
+            "prompt_median": the same, each token set's scores divided by the set's median score before they
+            compete (``allocate_prompt(relative=True)``): layers compare by how far a token stands above their
+            own typical token, so that a layer whose attention is flat no longer outbids peaked ones with its
+            many middling scores.
         protect_tail: the prompt's last ``protect_tail`` tokens are kept in every budgeted layer on top of its
             budget (the question at the end of a prompt compressed whole): each budgeted layer's budgets (both
             phases) grow by it and its prefill window by as much (:meth:`tail_applied`, which the runtime runs after
@@ -790,7 +795,8 @@ class Plan:
         elif self.followup != "prefill":
             parts.append(f"follow-ups by the {self.followup} pattern")
         if self.allocation != "plan":
-            parts.append("budgets re-split per prompt by its scores")
+            relative = " (relative to each set's median)" if self.allocation == "prompt_median" else ""
+            parts.append("budgets re-split per prompt by its scores" + relative)
         if self.protect_tail:
             parts.append(f"the prompt's last {self.protect_tail} tokens kept on top")
         if self.evict_every != 1:
@@ -1091,12 +1097,12 @@ def uses_kvzip(plan: "Plan | None") -> bool:
 
 def needs_whole_prompt(plan: "Plan | None", prefill_slack: float | None = None) -> bool:
     """True if `plan` chooses what to keep from the whole prompt at once: a KVzip layer (its reconstruction pass
-    reads the whole prompt again) or per-prompt budgets (``"allocation": "prompt"``) without a prefill slack > 1
-    (``prefill_slack``, else the plan's own: chunked prefill re-splits only what each layer holds when the prompt
-    ends, its budget x the slack). `polykv-cpp run` then defaults to exact prefill."""
+    reads the whole prompt again) or per-prompt budgets (``"allocation"`` ``"prompt"`` or ``"prompt_median"``) without
+    a prefill slack > 1 (``prefill_slack``, else the plan's own: chunked prefill re-splits only what each layer holds
+    when the prompt ends, its budget x the slack). `polykv-cpp run` then defaults to exact prefill."""
     if plan is None:
         return False
-    return uses_kvzip(plan) or (plan.allocation == "prompt" and not chunked_prefill_slack(plan, prefill_slack) > 1)
+    return uses_kvzip(plan) or (plan.allocation != "plan" and not chunked_prefill_slack(plan, prefill_slack) > 1)
 
 
 def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) -> float:

@@ -12,7 +12,7 @@ from polykv_cpp import plan as plan_mod
 from polykv_cpp.api import Model
 from polykv_cpp.errors import PlanError
 from polykv_cpp.patterns import (_protect, allocate_prompt, allocated_decode_budget, keep_topk,
-                                 pattern_from_phase_plan, simulate, softmax_causal)
+                                 pattern_from_phase_plan, relative_scores, simulate, softmax_causal)
 from test_kvzip import CHUNK, PREFIX, recon_attn  # noqa: F401
 from test_per_head import decode_recording
 from test_polykv_native import CFG, N, P, PHASE_PARAMS, hf_reference, tokens, twin  # noqa: F401
@@ -61,6 +61,21 @@ def test_ties_go_to_the_later_layer_and_the_more_recent_token():
     assert allocate_prompt([[s], [s]], [2, 2], [1, 1], b_min=0) == [0, 4]
 
 
+def test_relative_scores_compare_layers_by_how_far_a_token_stands_above_its_own_typical_token():
+    # layer 0 is peaked (two tokens far above its typical 0.01); layer 1 is flat, every score higher in absolute terms
+    s0 = np.array([np.inf, 0.05, 0.04, 0.01, 0.01, 0.01])
+    s1 = np.array([np.inf, 0.22, 0.21, 0.2, 0.2, 0.2])
+    assert allocate_prompt([[s0], [s1]], [3, 3], [1, 1], b_min=1) == [1, 5]
+    rel = relative_scores(s0)
+    assert np.isinf(rel[0]) and np.allclose(rel[1:], [5.0, 4.0, 1.0, 1.0, 1.0])
+    assert allocate_prompt([[s0], [s1]], [3, 3], [1, 1], b_min=1, relative=True) == [3, 3]
+    # an even count: the mean of the two middle scores
+    assert relative_scores(np.array([1.0, 2.0, 3.0, 5.0])).tolist() == [0.4, 0.8, 1.2, 2.0]
+    # key norms (-norm: the median is negative) stay as they are; so does a set of zeros
+    kn = np.array([-1.0, -2.0, np.inf])
+    assert relative_scores(kn).tolist() == kn.tolist() and relative_scores(np.zeros(3)).tolist() == [0.0] * 3
+
+
 def test_decode_budgets_follow():
     assert allocated_decode_budget(64, 64, 100) == 100
     assert allocated_decode_budget(64, 32, 100) == 50
@@ -77,13 +92,16 @@ def test_the_plan_key():
     assert "allocation" not in plan_mod.uniform_plan(4, "kvzip", 64).to_dict()
     d = p.to_dict()
     d["allocation"] = "layer"
-    with pytest.raises(PlanError, match="'allocation' must be one of plan, prompt"):
+    with pytest.raises(PlanError, match="'allocation' must be one of plan, prompt, prompt_median"):
         plan_mod.Plan.from_dict(d)
+    d["allocation"] = "prompt_median"
+    q = plan_mod.Plan.from_dict(d)
+    assert q.allocation == "prompt_median" and "median" in q.summary() and plan_mod.needs_whole_prompt(q)
 
 
 # ------------------------------------------------------------------------------------------ native = reference
 
-def alloc_plan(pattern: str, selections: tuple[str, str]) -> plan_mod.Plan:
+def alloc_plan(pattern: str, selections: tuple[str, str], allocation: str = "prompt") -> plan_mod.Plan:
     """Every layer: `pattern` prefill at B (selection per layer), SnapKV decode at B; budgets per prompt."""
     layers = []
     for il, sel in enumerate(selections):
@@ -94,7 +112,7 @@ def alloc_plan(pattern: str, selections: tuple[str, str]) -> plan_mod.Plan:
         dec = plan_mod.PhasePlan("snapkv", budget=B, selection=sel, **PHASE_PARAMS["snapkv"])
         layers.append(plan_mod.LayerPlan(il, pre, dec))
     return plan_mod.Plan(version=1, n_layer=CFG.n_layer, budget_avg=B, b_min=B_MIN, budget_rule="test",
-                         layers=layers, allocation="prompt").validate()
+                         layers=layers, allocation=allocation).validate()
 
 
 def reference(hf_ref, recon, plan):
@@ -108,7 +126,8 @@ def reference(hf_ref, recon, plan):
         groups = [rows[h * R:(h + 1) * R] for h in range(CFG.n_head_kv)] if per_head else [rows]
         sets.append([pre.scores(B, P, attn=g) for g in groups])
         patterns.append(pre)
-    budgets = allocate_prompt(sets, [B] * CFG.n_layer, [CFG.n_head_kv] * CFG.n_layer, B_MIN)
+    budgets = allocate_prompt(sets, [B] * CFG.n_layer, [CFG.n_head_kv] * CFG.n_layer, B_MIN,
+                              relative=plan.allocation == "prompt_median")
     out = []
     for il, lp in enumerate(plan.layers):
         logp, keys = hf_ref[il]
@@ -124,15 +143,20 @@ def reference(hf_ref, recon, plan):
     return budgets, out
 
 
+@pytest.mark.parametrize("allocation", ["prompt", "prompt_median"])
 @pytest.mark.parametrize("pattern", ["kvzip", "snapkv"])
 @pytest.mark.parametrize("selections", [("layer", "layer"), ("head", "head"), ("layer", "head")])
 def test_kept_positions_equal_the_reference_at_the_allocated_budgets(twin, tokens, hf_reference, recon_attn,
-                                                                      pattern, selections):
+                                                                      pattern, selections, allocation):
     _, path = twin
-    plan = alloc_plan(pattern, selections)
+    plan = alloc_plan(pattern, selections, allocation)
     budgets, ref = reference(hf_reference, recon_attn, plan)
     # this prompt moves tokens; a per-head layer's odd pair is lost in pairs // n_head_kv
-    assert B * CFG.n_layer - CFG.n_layer < sum(budgets) <= B * CFG.n_layer and budgets != [B] * CFG.n_layer
+    assert B * CFG.n_layer - CFG.n_layer < sum(budgets) <= B * CFG.n_layer
+    raw = budgets if allocation == "prompt" else reference(hf_reference, recon_attn, alloc_plan(pattern, selections))[0]
+    assert raw != [B] * CFG.n_layer
+    if allocation == "prompt_median":  # relative scores split this prompt otherwise than raw ones
+        assert budgets != raw
     with Model(path) as model:
         model.set_plan(plan, prefill="exact")
         with model.context(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off") as ctx:

@@ -61,22 +61,31 @@ def test_search_returns_a_valid_plan_no_worse_than_the_best_uniform(searched, ti
 
 
 def test_search_tries_per_prompt_budgets_last_and_measures_them(searched, tiny_gguf):
-    """The last step measures the searched plan with its budgets re-split per prompt; measured again by hand (fresh
-    exact-prefill contexts), that plan gives the step's loss, and a loss of its own (the allocation acted)."""
+    """The last two steps measure the searched plan with its budgets re-split per prompt, by the raw scores and by
+    the scores relative to each set's median; measured again by hand (fresh exact-prefill contexts), each such plan
+    gives its step's loss and a loss of its own (the allocation acted), and the plan keeps the better one only if
+    it lowers the loss."""
     res = searched
-    step = res.steps[-1]
-    assert step.what == "budgets re-split per prompt by its scores"
-    assert res.plan.provenance.extra["prompt_budgets"] is step.accepted
-    assert (res.plan.allocation == "prompt") is step.accepted
-    fixed = replace(res.plan, allocation="plan") if step.accepted else res.plan
-    per_prompt = with_allocation(fixed, "prompt")
-    assert per_prompt.allocation == "prompt" and per_prompt.b_min == max(
-        max(lp.prefill.reserved, lp.decode.reserved) for lp in fixed.layers)
-    assert [lp.prefill.budget for lp in per_prompt.layers] == [lp.prefill.budget for lp in fixed.layers]
-    got = _kl_by_hand(tiny_gguf, per_prompt)
-    assert got == pytest.approx(step.kl, rel=1e-3, abs=1e-5)
-    assert got != pytest.approx(_kl_by_hand(tiny_gguf, fixed), rel=1e-3, abs=1e-5)
-    assert step.accepted is (step.kl < min(s.kl for s in res.steps[:-1] if s.accepted) * (1 - 0.01))
+    raw_step, med_step = res.steps[-2], res.steps[-1]
+    assert raw_step.what == "budgets re-split per prompt by its scores"
+    assert med_step.what == "budgets re-split per prompt by its scores relative to each set's median"
+    fixed = replace(res.plan, allocation="plan")
+    fixed_kl = _kl_by_hand(tiny_gguf, fixed)
+    for mode, step in (("prompt", raw_step), ("prompt_median", med_step)):
+        per_prompt = with_allocation(fixed, mode)
+        assert per_prompt.allocation == mode and per_prompt.b_min == max(
+            max(lp.prefill.reserved, lp.decode.reserved) for lp in fixed.layers)
+        assert [lp.prefill.budget for lp in per_prompt.layers] == [lp.prefill.budget for lp in fixed.layers]
+        got = _kl_by_hand(tiny_gguf, per_prompt)
+        assert got == pytest.approx(step.kl, rel=1e-3, abs=1e-5)
+        assert got != pytest.approx(fixed_kl, rel=1e-6, abs=0)  # the budgets moved (a random model's split is mild)
+    before = min(s.kl for s in res.steps[:-2] if s.accepted)
+    assert raw_step.accepted is (raw_step.kl < before * (1 - 0.01))
+    best = raw_step.kl if raw_step.accepted else before
+    assert med_step.accepted is (med_step.kl < best * (1 - 0.01))
+    want = "prompt_median" if med_step.accepted else "prompt" if raw_step.accepted else "plan"
+    assert res.plan.allocation == res.plan.provenance.extra["allocation"] == want
+    assert res.plan.provenance.extra["prompt_budgets"] is (want != "plan")
 
 
 def _kl_by_hand(gguf, plan, ctx=384, n_cont=32) -> float:

@@ -309,10 +309,13 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
         }
         if (doc.contains("allocation")) {
             const auto & f = doc.at("allocation");
-            if (!f.is_string() || (f.get<std::string>() != "plan" && f.get<std::string>() != "prompt")) {
-                throw std::runtime_error("plan: 'allocation' must be one of plan, prompt (got " + f.dump() + ")");
+            if (!f.is_string() || (f.get<std::string>() != "plan" && f.get<std::string>() != "prompt" &&
+                                   f.get<std::string>() != "prompt_median")) {
+                throw std::runtime_error("plan: 'allocation' must be one of plan, prompt, prompt_median (got " +
+                                         f.dump() + ")");
             }
-            plan.allocation_prompt = f.get<std::string>() == "prompt";
+            plan.allocation_prompt = f.get<std::string>() != "plan";
+            plan.allocation_relative = f.get<std::string>() == "prompt_median";
         }
         plan.protect_tail = get_int(doc, "protect_tail", 0, "plan", 0);
         plan.evict_every  = get_int(doc, "evict_every", 1, "plan", 1);

@@ -89,6 +89,9 @@ struct llama_polykv_plan {
     // scores across the model when it compresses the prompt (KVzip's non-uniform allocation; llama_kv_cache_poly::
     // allocate_prompt); false ("plan", the default): every layer keeps its plan budget
     bool     allocation_prompt = false;
+    // "allocation": "prompt_median": the same, each token set's scores divided by the set's median before they compete
+    // (a layer's tokens count by how far they stand above its typical token; polykv_cpp.patterns.relative_scores)
+    bool     allocation_relative = false;
     // "protect_tail": the prompt's last protect_tail tokens are kept in every budgeted layer on top of its budget (the
     // question at the end of a prompt compressed whole): llama_polykv_plan_resolve adds them to each budgeted layer's
     // budgets (both phases, a sliding-window layer up to its window) and to its prefill window, after any rescaling

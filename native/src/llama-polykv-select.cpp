@@ -547,6 +547,33 @@ void llama_kv_cache_poly::allocate_prompt() {
     }
 }
 
+// "allocation": "prompt_median": a token set's finite scores divided by their median (the mean of the two middle ones
+// for an even count; polykv_cpp.patterns.relative_scores); protected tokens (+inf) stay, and a set whose median is
+// not positive (key norms) is left as it is
+static void to_relative(std::vector<double> & sc) {
+    std::vector<double> v;
+    v.reserve(sc.size());
+    for (double s : sc) {
+        if (std::isfinite(s)) {
+            v.push_back(s);
+        }
+    }
+    if (v.empty()) {
+        return;
+    }
+    std::sort(v.begin(), v.end());
+    const size_t n = v.size();
+    const double med = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    if (!(med > 0.0)) {
+        return;
+    }
+    for (double & s : sc) {
+        if (std::isfinite(s)) {
+            s /= med;
+        }
+    }
+}
+
 // as polykv_cpp.patterns.allocate_prompt: the pool of the candidate layers' budgets, in (head, token) pairs; every
 // token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest. Chunked
 // prefill: a layer gets at most its streaming budget (budget x the prefill slack), what its cache holds with room
@@ -573,7 +600,10 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
             cap[k] = (int64_t) streaming_phase(pp).budget * grp.n_head_kv;
         }
         for (uint32_t s = 0; s < (grp.per_head ? grp.n_head_kv : 1); ++s) {
-            const std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(0) : 0);
+            std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(0) : 0);
+            if (plan.allocation_relative) {
+                to_relative(sc);
+            }
             const int32_t n = (int32_t) sc.size();
             const int32_t f = std::min(plan.b_min, n);
             const std::vector<int32_t> order = lowest(sc, n);
