@@ -189,16 +189,18 @@ def held_sets(ctx, per_head: bool):
             for il in range(CFG.n_layer)]
 
 
+@pytest.mark.parametrize("allocation", ["prompt", "prompt_median"])
 @pytest.mark.parametrize("selection", ["layer", "head"])
 @pytest.mark.parametrize("slack,budgets", [(2.0, (B, B)), (1.25, (B // 2, 3 * B // 2))])
-def test_chunked_prefill_re_splits_what_each_layer_holds_up_to_its_slack(twin, tokens, selection, slack, budgets):
+def test_chunked_prefill_re_splits_what_each_layer_holds_up_to_its_slack(twin, tokens, selection, slack, budgets,
+                                                                          allocation):
     """Chunked prefill with a slack: when the prompt ends, each layer holds up to budget x slack tokens; the
     allocation re-splits the pool over what they hold (a layer never gets more than budget x slack: its cache has
     room for that and one ubatch). Reference: the same prompt under the same plan with fixed budgets, read
     before its compression (what each set holds, its scores), allocated by `allocate_prompt` with those caps, each
     set then keeping its best."""
     _, path = twin
-    d = alloc_plan("snapkv", (selection, selection)).to_dict()
+    d = alloc_plan("snapkv", (selection, selection), allocation).to_dict()
     for lp, b in zip(d["layers"], budgets):
         lp["prefill"]["budget"] = lp["decode"]["budget"] = b
     plan = plan_mod.Plan.from_dict(d)
@@ -223,7 +225,7 @@ def test_chunked_prefill_re_splits_what_each_layer_holds_up_to_its_slack(twin, t
     assert all(b < len(pos) <= c for sets, b, c in zip(held, budgets, caps) for pos, _ in sets)
     ranked = [[_protect(sc.copy(), b, pat.n_sink, w) for _, sc in sets] for sets, b in zip(held, budgets)]
     nh = [CFG.n_head_kv] * CFG.n_layer
-    want = allocate_prompt(ranked, list(budgets), nh, B_MIN, caps=caps)
+    want = allocate_prompt(ranked, list(budgets), nh, B_MIN, caps=caps, relative=allocation == "prompt_median")
     assert got_budgets == want and want != list(budgets) and all(b <= c for b, c in zip(want, caps))
     for il in range(CFG.n_layer):
         for (pos, sc), (got, _) in zip(held[il], kept[il]):
