@@ -480,7 +480,7 @@ def runtime_calibrate(gguf: str | Path, out: str | Path | None, *, budget: int, 
                                ("prompt_median", "budgets re-split per prompt by its scores relative to each "
                                                  "set's median")):
                 loss = measure(pats, buds, what, allocation=mode)
-                ok = loss < best * (1 - min_gain) and loss < cur * (1 - min_gain)
+                ok = loss < best * (1 - min_gain)  # best <= cur: below the plan so far and the other mode
                 steps.append(SearchStep(what, loss, ok))
                 if ok:
                     allocation, best = mode, loss
