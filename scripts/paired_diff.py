@@ -141,11 +141,13 @@ def main(argv=None) -> int:
             with np.errstate(divide="ignore", invalid="ignore"):  # replicates where the base equals FullKV
                 gap = diff / (full - reps[base])
             point = task_average(scores[m]) - task_average(scores[base])
-            point_gap = point / (task_average(scores[full_key]) - task_average(scores[base]))
-            (d0, d1), (g0, g1) = interval(diff), interval(gap)
+            full_gap = task_average(scores[full_key]) - task_average(scores[base])
+            (d0, d1), gap_ci = interval(diff), interval(gap)
+            # no gap to recover where the base scores FullKV's average (in every replicate: no interval either)
+            gap_text = "-" if not full_gap else f"{100 * point / full_gap:.0f}%" + (
+                f" [{100 * gap_ci[0]:.0f}%, {100 * gap_ci[1]:.0f}%]" if gap_ci else "")
             print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {fmt.format(point / unit)} "
-                  f"[{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | "
-                  f"{100 * point_gap:.0f}% [{100 * g0:.0f}%, {100 * g1:.0f}%] | {of_full(m)} |")
+                  f"[{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | {gap_text} | {of_full(m)} |")
         point = task_average(scores[full_key]) - task_average(scores[base])
         d0, d1 = interval(full - reps[base])
         print(f"| {full_key} | {budget} | {fmt.format(point / unit)} [{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | 100% | - |")

@@ -883,6 +883,12 @@ def test_paired_diff_script_reports_paired_intervals(tmp_path, capsys):
     assert rows["better"].split("|")[3].strip().startswith("+66.7")
     assert rows["partial"].split("|")[3].strip().startswith("+66.7")
 
+    # a base that scores FullKV's average leaves no gap to recover: "-" in that column, not a ZeroDivisionError
+    assert mod.main([str(path), "--base", "snapkv@23"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[3:]}
+    assert rows["copy"].split("|")[3].strip().startswith("-66.7")
+    assert rows["copy"].split("|")[4].strip() == "-"
+
 
 def test_paired_diff_pairs_runs_on_the_same_prompts(tmp_path, capsys):
     """LABEL=PATH runs pair by (task, sample) under LABEL:method; runs whose samples differ are refused."""
