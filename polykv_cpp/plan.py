@@ -582,6 +582,10 @@ class Plan:
             compete (``allocate_prompt(relative=True)``): layers compare by how far a token stands above their
             own typical token, so that a layer whose attention is flat no longer outbids peaked ones with its
             many middling scores.
+        allocation_cap: with a per-prompt ``allocation``: a layer keeps at most ``ceil(allocation_cap x its plan
+            budget)`` tokens per KV head (>= 1; chunked prefill: also at most what the layer holds, its budget x
+            the slack), so that at small budgets one layer whose scores are all high cannot take most of the pool
+            (KVzip's raw scores at 128 of 4K: one layer took 75%). None (the default): no cap.
         protect_tail: the prompt's last ``protect_tail`` tokens are kept in every budgeted layer on top of its
             budget (the question at the end of a prompt compressed whole): each budgeted layer's budgets (both
             phases) grow by it and its prefill window by as much (:meth:`tail_applied`, which the runtime runs after
@@ -606,6 +610,7 @@ class Plan:
     stream: str | None = None
     prefill_slack: float | None = None
     allocation: str = "plan"
+    allocation_cap: float | None = None
     protect_tail: int = 0
     evict_every: int = 1
 
@@ -613,7 +618,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict (the v1 schema; ``followup``, ``stream``, ``prefill_slack``, ``allocation``,
-        ``protect_tail`` and ``evict_every`` only when they are not the default)."""
+        ``allocation_cap``, ``protect_tail`` and ``evict_every`` only when they are not the default)."""
         d = {
             "format": PLAN_FORMAT_NAME,
             "version": self.version,
@@ -634,6 +639,8 @@ class Plan:
             d["prefill_slack"] = self.prefill_slack
         if self.allocation != "plan":
             d["allocation"] = self.allocation
+        if self.allocation_cap is not None:
+            d["allocation_cap"] = self.allocation_cap
         if self.protect_tail:
             d["protect_tail"] = self.protect_tail
         if self.evict_every != 1:
@@ -656,8 +663,8 @@ class Plan:
             raise PlanError(f"unsupported plan format version {version} (this polykv-cpp reads version "
                             f"{PLAN_FORMAT_VERSION})")
         allowed = {"format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "evict_every",
-                   "layers", "provenance"}
+                   "full_charge", "followup", "stream", "prefill_slack", "allocation", "allocation_cap", "protect_tail",
+                   "evict_every", "layers", "provenance"}
         unknown = set(d) - allowed
         if unknown:
             raise PlanError(f"plan: unknown field(s) {', '.join(sorted(unknown))}")
@@ -688,6 +695,11 @@ class Plan:
         allocation = d.get("allocation", "plan")
         if allocation not in ALLOCATION_MODES:
             raise PlanError(f"plan: 'allocation' must be one of {', '.join(ALLOCATION_MODES)} (got {allocation!r})")
+        cap = d.get("allocation_cap")  # absent or null: none, as the native parser
+        if cap is not None and not _is_slack(cap):
+            raise PlanError(f"plan: 'allocation_cap' must be a number from 1 to {MAX_PREFILL_SLACK:g} (got {cap!r})")
+        if cap is not None and allocation == "plan":
+            raise PlanError("plan: 'allocation_cap' needs \"allocation\": \"prompt\" or \"prompt_median\"")
         tail = d.get("protect_tail")
         if tail is None:
             tail = 0  # absent or null, as the native parser
@@ -707,7 +719,7 @@ class Plan:
             layers=[LayerPlan.from_dict(x, where=f"layers[{i}]") for i, x in enumerate(layers)],
             provenance=Provenance.from_dict(d.get("provenance")),
             exact_total=exact, full_charge=fc, followup=followup, stream=stream, prefill_slack=slack,
-            allocation=allocation, protect_tail=tail, evict_every=every,
+            allocation=allocation, allocation_cap=cap, protect_tail=tail, evict_every=every,
         )
 
     def to_json(self, indent: int | None = 1) -> str:
@@ -797,6 +809,8 @@ class Plan:
         if self.allocation != "plan":
             relative = " (relative to each set's median)" if self.allocation == "prompt_median" else ""
             parts.append("budgets re-split per prompt by its scores" + relative)
+        if self.allocation_cap is not None:
+            parts.append(f"a layer's per-prompt budget capped at {self.allocation_cap:g}x its own")
         if self.protect_tail:
             parts.append(f"the prompt's last {self.protect_tail} tokens kept on top")
         if self.evict_every != 1:
@@ -858,6 +872,11 @@ class Plan:
                             f"(got {self.prefill_slack!r})")
         if self.allocation not in ALLOCATION_MODES:
             raise PlanError(f"allocation must be one of {', '.join(ALLOCATION_MODES)} (got {self.allocation!r})")
+        if self.allocation_cap is not None and not _is_slack(self.allocation_cap):
+            raise PlanError(f"allocation_cap must be a number from 1 to {MAX_PREFILL_SLACK:g} or None "
+                            f"(got {self.allocation_cap!r})")
+        if self.allocation_cap is not None and self.allocation == "plan":
+            raise PlanError("allocation_cap needs allocation 'prompt' or 'prompt_median'")
         if not _is_int(self.protect_tail) or not 0 <= self.protect_tail <= INT32_MAX:
             raise PlanError(f"protect_tail must be an integer from 0 to {INT32_MAX} (got {self.protect_tail!r})")
         if not _is_int(self.evict_every) or not 1 <= self.evict_every <= MAX_EVICT_EVERY:
@@ -995,8 +1014,8 @@ class Plan:
         return Plan(version=self.version, n_layer=self.n_layer, budget_avg=kv_budget, b_min=self.b_min,
                     budget_rule=self.budget_rule, layers=new_layers, provenance=prov, exact_total=exact,
                     full_charge=charge, followup=self.followup, stream=self.stream,
-                    prefill_slack=self.prefill_slack, allocation=self.allocation, protect_tail=self.protect_tail,
-                    evict_every=self.evict_every)
+                    prefill_slack=self.prefill_slack, allocation=self.allocation,
+                    allocation_cap=self.allocation_cap, protect_tail=self.protect_tail, evict_every=self.evict_every)
 
     def span_split(self, windows: Sequence[int | None], n_ctx: int) -> "Plan":
         """The plan with each phase's total re-split over its budgeted layers in proportion to their budgets (or

@@ -36,7 +36,7 @@ HOSTILE = [-1, 0, 1, 3, 2**31 - 1, 2**31, 2**63, -(2**63), 1e308, -1e-308, 0.5, 
            [1, 2], {"a": 1}, "1", "NaN"]
 KEYS = ["pattern", "budget", "share", "n_sink", "window", "obs_window", "pool_kernel", "selection", "version",
         "n_layer", "budget_avg", "b_min", "layers", "layer", "prefill", "decode", "exact_total", "budget_rule",
-        "full_charge", "provenance", "evict_every", "colour"]
+        "full_charge", "provenance", "evict_every", "allocation", "allocation_cap", "colour"]
 N_LAYER = 2
 
 
@@ -53,6 +53,8 @@ def seeds() -> list[str]:
             except P.PlanError:
                 pass
     out.append(P.pyramid_plan(N_LAYER, 64).to_json())
+    capped = P.uniform_plan(N_LAYER, "kvzip", 48, selection="head", allocation="prompt")
+    out.append(P.Plan.from_dict({**capped.to_dict(), "allocation_cap": 2}).to_json())
     return out
 
 

@@ -101,8 +101,10 @@ def test_the_plan_key():
 
 # ------------------------------------------------------------------------------------------ native = reference
 
-def alloc_plan(pattern: str, selections: tuple[str, str], allocation: str = "prompt") -> plan_mod.Plan:
-    """Every layer: `pattern` prefill at B (selection per layer), SnapKV decode at B; budgets per prompt."""
+def alloc_plan(pattern: str, selections: tuple[str, str], allocation: str = "prompt",
+               cap: float | None = None) -> plan_mod.Plan:
+    """Every layer: `pattern` prefill at B (selection per layer), SnapKV decode at B; budgets per prompt (each
+    layer's at most `cap` x B)."""
     layers = []
     for il, sel in enumerate(selections):
         if pattern == "kvzip":
@@ -112,7 +114,7 @@ def alloc_plan(pattern: str, selections: tuple[str, str], allocation: str = "pro
         dec = plan_mod.PhasePlan("snapkv", budget=B, selection=sel, **PHASE_PARAMS["snapkv"])
         layers.append(plan_mod.LayerPlan(il, pre, dec))
     return plan_mod.Plan(version=1, n_layer=CFG.n_layer, budget_avg=B, b_min=B_MIN, budget_rule="test",
-                         layers=layers, allocation=allocation).validate()
+                         layers=layers, allocation=allocation, allocation_cap=cap).validate()
 
 
 def reference(hf_ref, recon, plan):
@@ -126,7 +128,8 @@ def reference(hf_ref, recon, plan):
         groups = [rows[h * R:(h + 1) * R] for h in range(CFG.n_head_kv)] if per_head else [rows]
         sets.append([pre.scores(B, P, attn=g) for g in groups])
         patterns.append(pre)
-    budgets = allocate_prompt(sets, [B] * CFG.n_layer, [CFG.n_head_kv] * CFG.n_layer, B_MIN,
+    caps = None if plan.allocation_cap is None else [int(np.ceil(plan.allocation_cap * B))] * CFG.n_layer
+    budgets = allocate_prompt(sets, [B] * CFG.n_layer, [CFG.n_head_kv] * CFG.n_layer, B_MIN, caps=caps,
                               relative=plan.allocation == "prompt_median")
     out = []
     for il, lp in enumerate(plan.layers):
@@ -157,6 +160,31 @@ def test_kept_positions_equal_the_reference_at_the_allocated_budgets(twin, token
     assert raw != [B] * CFG.n_layer
     if allocation == "prompt_median":  # relative scores split this prompt otherwise than raw ones
         assert budgets != raw
+    assert_native_equals_reference(path, tokens, plan, pattern, budgets, ref)
+
+
+@pytest.mark.parametrize("pattern", ["kvzip", "snapkv"])
+@pytest.mark.parametrize("selections", [("layer", "layer"), ("head", "head")])
+def test_a_cap_bounds_what_one_layer_takes_and_the_rest_goes_to_the_others(twin, tokens, hf_reference, recon_attn,
+                                                                           pattern, selections):
+    """`"allocation_cap"`: no layer keeps more than ceil(cap x its budget); the pool stays whole."""
+    _, path = twin
+    raw = reference(hf_reference, recon_attn, alloc_plan(pattern, selections))[0]
+    most = max(raw)
+    assert most > B  # this prompt moves tokens, so a cap from 1 up to below the raw split binds
+    cap = (B + (most - B) // 2) / B
+    plan = alloc_plan(pattern, selections, cap=cap)
+    budgets, ref = reference(hf_reference, recon_attn, plan)
+    assert max(budgets) == int(np.ceil(cap * B)) < most
+    assert B * CFG.n_layer - CFG.n_layer < sum(budgets) <= B * CFG.n_layer  # the pool stays whole (pairs // heads)
+    assert "capped at" in plan.summary() and plan_mod.Plan.from_json(plan.to_json()).allocation_cap == cap
+    assert plan.scaled(2 * B).allocation_cap == cap
+    assert_native_equals_reference(path, tokens, plan, pattern, budgets, ref)
+
+
+def assert_native_equals_reference(path, tokens, plan, pattern, budgets, ref):
+    """The plan's budgets for this prompt and the kept positions of every KV head after the compression (and layer
+    0's after each decode step) equal the reference's."""
     with Model(path) as model:
         model.set_plan(plan, prefill="exact")
         with model.context(n_ctx=256, type_k="f32", type_v="f32", flash_attn="off") as ctx:

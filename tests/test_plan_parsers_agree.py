@@ -21,6 +21,8 @@ MIXED = json.loads(P.Plan.from_dict({**GOOD, "full_charge": 32, "layers": [  # l
     {"layer": 1, "prefill": {**GOOD["layers"][1]["prefill"], "budget": 64},
      "decode": {**GOOD["layers"][1]["decode"], "budget": 64}}]}).validate().to_json())
 
+PROMPT = {**GOOD, "allocation": "prompt"}
+
 
 def edit(base, path, value=None, delete=False):
     d = json.loads(base if isinstance(base, str) else json.dumps(base))
@@ -95,6 +97,15 @@ CASES = {
     "evict_every 65537": (edit(GOOD, ["evict_every"], 65537), False),
     "evict_every a float": (edit(GOOD, ["evict_every"], 1.5), False),
     "evict_every a string": (edit(GOOD, ["evict_every"], "8"), False),
+    "allocation_cap 4, per-prompt budgets": (edit(PROMPT, ["allocation_cap"], 4), True),
+    "allocation_cap 1.5, relative budgets": (edit(edit(PROMPT, ["allocation"], "prompt_median"), ["allocation_cap"],
+                                                  1.5), True),
+    "allocation_cap null (absent)": (edit(PROMPT, ["allocation_cap"], None), True),
+    "allocation_cap below 1": (edit(PROMPT, ["allocation_cap"], 0.5), False),
+    "allocation_cap huge": (edit(PROMPT, ["allocation_cap"], 1e7), False),
+    "allocation_cap a bool": (edit(PROMPT, ["allocation_cap"], True), False),
+    "allocation_cap a string": (edit(PROMPT, ["allocation_cap"], "2"), False),
+    "allocation_cap without per-prompt budgets": (edit(GOOD, ["allocation_cap"], 2), False),
 }
 
 

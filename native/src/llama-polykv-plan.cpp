@@ -266,8 +266,8 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             throw std::runtime_error("unsupported plan format version " + doc.at("version").dump() + " (this build reads version 1)");
         }
         check_keys(doc, { "format", "version", "n_layer", "budget_avg", "b_min", "budget_rule", "exact_total",
-                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "protect_tail", "evict_every",
-                          "layers", "provenance" }, "plan");
+                          "full_charge", "followup", "stream", "prefill_slack", "allocation", "allocation_cap", "protect_tail",
+                          "evict_every", "layers", "provenance" }, "plan");
         plan = llama_polykv_plan();
         plan.n_layer    = req_int(doc, "n_layer", "plan", 1);
         plan.budget_avg = req_int(doc, "budget_avg", "plan", 1);
@@ -316,6 +316,16 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             }
             plan.allocation_prompt = f.get<std::string>() != "plan";
             plan.allocation_relative = f.get<std::string>() == "prompt_median";
+        }
+        if (doc.contains("allocation_cap") && !doc.at("allocation_cap").is_null()) {
+            const auto & f = doc.at("allocation_cap");
+            if (!f.is_number() || !std::isfinite(f.get<double>()) || f.get<double>() < 1.0 || f.get<double>() > 1e6) {
+                throw std::runtime_error("plan: 'allocation_cap' must be a number from 1 to 1e6 (got " + f.dump() + ")");
+            }
+            if (!plan.allocation_prompt) {
+                throw std::runtime_error("plan: 'allocation_cap' needs \"allocation\": \"prompt\" or \"prompt_median\"");
+            }
+            plan.allocation_cap = (float) f.get<double>();
         }
         plan.protect_tail = get_int(doc, "protect_tail", 0, "plan", 0);
         plan.evict_every  = get_int(doc, "evict_every", 1, "plan", 1);

@@ -92,6 +92,9 @@ struct llama_polykv_plan {
     // "allocation": "prompt_median": the same, each token set's scores divided by the set's median before they compete
     // (a layer's tokens count by how far they stand above its typical token; polykv_cpp.patterns.relative_scores)
     bool     allocation_relative = false;
+    // "allocation_cap": with a per-prompt allocation, a layer keeps at most ceil(cap x its plan budget) tokens per KV
+    // head (>= 1; chunked prefill: also no more than it holds, budget x the slack); 0: no cap
+    float    allocation_cap = 0.0f;
     // "protect_tail": the prompt's last protect_tail tokens are kept in every budgeted layer on top of its budget (the
     // question at the end of a prompt compressed whole): llama_polykv_plan_resolve adds them to each budgeted layer's
     // budgets (both phases, a sliding-window layer up to its window) and to its prefill window, after any rescaling

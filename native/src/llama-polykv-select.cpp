@@ -577,7 +577,7 @@ static void to_relative(std::vector<double> & sc) {
 // as polykv_cpp.patterns.allocate_prompt: the pool of the candidate layers' budgets, in (head, token) pairs; every
 // token set keeps its best min(b_min, n) first, then the best-scored of all other entries fill the rest. Chunked
 // prefill: a layer gets at most its streaming budget (budget x the prefill slack), what its cache holds with room
-// for one ubatch more; exact prefill holds the whole prompt
+// for one ubatch more; exact prefill holds the whole prompt. "allocation_cap" caps every layer at cap x its budget
 void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
     struct entry {
         double  score;
@@ -598,6 +598,10 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
         unit[k] = grp.per_head ? 1 : grp.n_head_kv;
         if (!prefill_exact) {
             cap[k] = (int64_t) streaming_phase(pp).budget * grp.n_head_kv;
+        }
+        if (plan.allocation_cap > 0.0f) {
+            const int64_t most = (int64_t) std::ceil((double) pp.budget * plan.allocation_cap);
+            cap[k] = std::min(cap[k], most * grp.n_head_kv);
         }
         for (uint32_t s = 0; s < (grp.per_head ? grp.n_head_kv : 1); ++s) {
             std::vector<double> sc = ranked_scores(grp, pp, set_items(grp, s), grp.per_head ? grp.head_off(0) : 0);

@@ -1459,13 +1459,17 @@ llama_memory_i * llama_polykv_create_memory(const llama_model & model, const lla
         }
     }
     const uint64_t full_cells = (uint64_t) cparams.n_ctx * hparams.n_layer();
-    char slack_note[160] = "";
+    char slack_note[224] = "";
     if (prefill_mode == 0 && prefill_slack > 1.0f) {
         snprintf(slack_note, sizeof(slack_note), ", prefill slack %g", prefill_slack);
     }
     if (prefill_mode == 0 && plan.stream >= 0) {
         const size_t n = strlen(slack_note);
         snprintf(slack_note + n, sizeof(slack_note) - n, ", streaming by %s", llama_polykv_pattern_name(plan.stream));
+    }
+    if (plan.allocation_cap > 0.0f) {
+        const size_t n = strlen(slack_note);
+        snprintf(slack_note + n, sizeof(slack_note) - n, ", per-prompt budgets capped at %gx", plan.allocation_cap);
     }
     if (plan.protect_tail > 0) {
         const size_t n = strlen(slack_note);
