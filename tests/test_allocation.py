@@ -217,18 +217,18 @@ def held_sets(ctx, per_head: bool):
             for il in range(CFG.n_layer)]
 
 
-@pytest.mark.parametrize("allocation", ["prompt", "prompt_median"])
+@pytest.mark.parametrize("allocation,cap", [("prompt", None), ("prompt_median", None), ("prompt", 1.0)])
 @pytest.mark.parametrize("selection", ["layer", "head"])
 @pytest.mark.parametrize("slack,budgets", [(2.0, (B, B)), (1.25, (B // 2, 3 * B // 2))])
 def test_chunked_prefill_re_splits_what_each_layer_holds_up_to_its_slack(twin, tokens, selection, slack, budgets,
-                                                                          allocation):
+                                                                          allocation, cap):
     """Chunked prefill with a slack: when the prompt ends, each layer holds up to budget x slack tokens; the
     allocation re-splits the pool over what they hold (a layer never gets more than budget x slack: its cache has
-    room for that and one ubatch). Reference: the same prompt under the same plan with fixed budgets, read
-    before its compression (what each set holds, its scores), allocated by `allocate_prompt` with those caps, each
-    set then keeping its best."""
+    room for that and one ubatch), nor, with an `"allocation_cap"`, more than ceil(cap x budget). Reference: the same
+    prompt under the same plan with fixed budgets, read before its compression (what each set holds, its scores),
+    allocated by `allocate_prompt` with those caps, each set then keeping its best."""
     _, path = twin
-    d = alloc_plan("snapkv", (selection, selection), allocation).to_dict()
+    d = alloc_plan("snapkv", (selection, selection), allocation, cap).to_dict()
     for lp, b in zip(d["layers"], budgets):
         lp["prefill"]["budget"] = lp["decode"]["budget"] = b
     plan = plan_mod.Plan.from_dict(d)
@@ -247,14 +247,19 @@ def test_chunked_prefill_re_splits_what_each_layer_holds_up_to_its_slack(twin, t
             return [s.budget_prefill for s in ctx.kv_layer_stats()], held_sets(ctx, per_head)
 
     with Model(path) as model:
-        held = prompt_in(plan_mod.Plan.from_dict({**d, "allocation": "plan"}), compress=False)
+        held = prompt_in(plan_mod.Plan.from_dict({**d, "allocation": "plan", "allocation_cap": None}), compress=False)
         got_budgets, kept = prompt_in(plan, compress=True)
     # the slack held more than the budget, and no more than budget x slack: the streaming evicted the last chunk too
     assert all(b < len(pos) <= c for sets, b, c in zip(held, budgets, caps) for pos, _ in sets)
     ranked = [[_protect(sc.copy(), b, pat.n_sink, w) for _, sc in sets] for sets, b in zip(held, budgets)]
     nh = [CFG.n_head_kv] * CFG.n_layer
     want = allocate_prompt(ranked, list(budgets), nh, B_MIN, caps=caps, relative=allocation == "prompt_median")
-    assert got_budgets == want and want != list(budgets) and all(b <= c for b, c in zip(want, caps))
+    if cap is not None:  # cap 1: a layer keeps no more than its budget, what the slack alone would not stop
+        uncapped = want
+        caps = [min(c, int(np.ceil(b * cap))) for b, c in zip(budgets, caps)]
+        want = allocate_prompt(ranked, list(budgets), nh, B_MIN, caps=caps)
+        assert uncapped != list(budgets) and want == list(budgets)
+    assert got_budgets == want and (want != list(budgets) or cap is not None) and all(b <= c for b, c in zip(want, caps))
     for il in range(CFG.n_layer):
         for (pos, sc), (got, _) in zip(held[il], kept[il]):
             best = keep_topk(_protect(sc.copy(), want[il], pat.n_sink, w), want[il])
