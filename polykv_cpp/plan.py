@@ -585,7 +585,8 @@ class Plan:
         allocation_cap: with a per-prompt ``allocation``: a layer keeps at most ``ceil(allocation_cap x its plan
             budget)`` tokens per KV head (>= 1; chunked prefill: also at most what the layer holds, its budget x
             the slack), so that at small budgets one layer whose scores are all high cannot take most of the pool
-            (KVzip's raw scores at 128 of 4K: one layer took 75%). None (the default): no cap.
+            (KVzip's raw scores at 128 of 4K: one layer took 75%; capping it lost the needles it held on the
+            default model, docs/results-archive.md: a bound on memory, not a quality knob). None (the default): no cap.
         protect_tail: the prompt's last ``protect_tail`` tokens are kept in every budgeted layer on top of its
             budget (the question at the end of a prompt compressed whole): each budgeted layer's budgets (both
             phases) grow by it and its prefill window by as much (:meth:`tail_applied`, which the runtime runs after
