@@ -18,6 +18,13 @@ LABEL:method, and the prompts they share must have the same answers and lengths 
 
     python scripts/paired_diff.py probed=results/eval-qwen-4k-chunked-probe/results.json \
         exact=results/eval-qwen-4k-adakv/results.json --base probed:snapkv@23
+
+Runs on other prompts (another ``--seed``: a held-out replication) pool with ``--pool``: their samples are added to
+one another's, each keyed by its run's LABEL, and the methods keep their own names; the bootstrap still draws
+within each task, from every run's samples of it:
+
+    python scripts/paired_diff.py s0=results/eval-qwen-4k-head-median/results.json \
+        s5000=results/eval-qwen-4k-head-median-seed5000/results.json --pool --base head-median
 """
 
 from __future__ import annotations
@@ -52,26 +59,46 @@ def method_scores(records: list[dict], protocol: str, metric: str = "score") -> 
     return scores
 
 
-def load_runs(specs: list[str], protocol: str, metric: str = "score") -> dict[str, dict[str, dict[tuple, float]]]:
+def load_runs(specs: list[str], protocol: str, metric: str = "score",
+              pool: bool = False) -> dict[str, dict[str, dict[tuple, float]]]:
     """method_scores of one results.json, or of several given as LABEL=PATH (methods named LABEL:method); refuses
-    runs whose shared samples differ (answers or prompt length): their scores would not pair."""
+    runs whose shared samples differ (answers or prompt length): their scores would not pair. With ``pool`` the
+    runs are on different prompts: a sample is keyed by its run's LABEL as well, and methods keep their names."""
     scores: dict[str, dict[str, dict[tuple, float]]] = {}
     prompts: dict[tuple, tuple] = {}
+    samples_of: dict[str, dict[tuple, tuple]] = {}  # with pool: each run's samples, to refuse the same prompts twice
     for spec in specs:
         label, sep, path = spec.partition("=")
         if not sep:
             label, path = "", spec
+        if pool and not label:
+            raise SystemExit(f"paired_diff: --pool needs every run as LABEL=PATH ({spec})")
+        if pool and label in samples_of:
+            raise SystemExit(f"paired_diff: --pool: the label {label!r} names two runs")
         records = json.load(open(path))["records"]
         for r in records:
             if r.get("kind", "ruler") != "ruler" or "answers" not in r:
                 continue
-            key = (r["task"], r["length"], r["index"])
+            key = (label, r["task"], r["length"], r["index"]) if pool else (r["task"], r["length"], r["index"])
             this = (json.dumps(r["answers"]), r.get("n_prompt"))
+            samples_of.setdefault(label, {})[key[1:] if pool else key] = this
             if prompts.setdefault(key, this) != this:
                 raise SystemExit(f"paired_diff: {path}: sample {key} differs from the other runs' (answers or prompt "
                                  "length): not the same prompts")
+        if pool:
+            for other, theirs in samples_of.items():
+                ours = samples_of[label]
+                shared = set(ours) & set(theirs) if other != label else set()
+                if shared and all(ours[k] == theirs[k] for k in shared):
+                    raise SystemExit(f"paired_diff: {label} and {other} hold the same prompts (answers and lengths): "
+                                     "--pool adds runs of other seeds; pair runs of the same prompts without it")
         for m, v in method_scores(records, protocol, metric).items():
-            scores[f"{label}:{m}" if label else m] = v
+            if pool:
+                for task, by_sample in v.items():
+                    scores.setdefault(m, {}).setdefault(task, {}).update(
+                        {(label, *sample): x for sample, x in by_sample.items()})
+            else:
+                scores[f"{label}:{m}" if label else m] = v
     return scores
 
 
@@ -100,10 +127,12 @@ def main(argv=None) -> int:
                         "FullKV, negative log-likelihood or top-1 agreement, paired per text")
     p.add_argument("--only", help="compare only these methods (comma-separated, METHOD or METHOD@BUDGET; the base "
                                   "and fullkv are added)")
+    p.add_argument("--pool", action="store_true",
+                   help="the LABEL=PATH runs are on different prompts (other seeds): pool their samples as one set")
     p.add_argument("--any-budget", action="store_true",
                    help="compare methods at every budget with the base (default: at the base's budget only)")
     args = p.parse_args(argv)
-    scores = load_runs(args.results, args.protocol, args.metric)
+    scores = load_runs(args.results, args.protocol, args.metric, pool=args.pool)
     unit, fmt = (1.0, "{:+.1f}") if args.metric == "score" else (100.0, "{:+.4f}")  # the bootstrap's scale is 0-100
     if args.only:
         keep = set(args.only.split(",")) | {args.base, "fullkv"}

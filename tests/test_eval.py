@@ -911,6 +911,39 @@ def test_paired_diff_pairs_runs_on_the_same_prompts(tmp_path, capsys):
         mod.main([f"exact={tmp_path / 'e.json'}", f"other={tmp_path / 'x.json'}", "--base", "exact:snapkv"])
 
 
+def test_paired_diff_pools_runs_of_other_seeds(tmp_path, capsys):
+    """--pool adds the samples of runs on other prompts (another seed) to one set: the methods keep their names and
+    the difference is that of all samples together; runs of the same prompts are refused."""
+    mod = _script("paired_diff")
+
+    def rec(method, budget, i, score, answer):
+        return {"kind": "ruler", "task": "a", "length": 1024, "index": i, "protocol": "query-aware",
+                "method": method, "budget": budget, "score": score, "answers": [answer], "n_prompt": 1000}
+
+    # seed 0: "plan" answers 3 of 4 more than snapkv does; seed 5000 (other answers): 1 of 4 more
+    runs = {"s0": [(i, float(i < 3), 0.0) for i in range(4)], "s5000": [(i, float(i < 1), 0.0) for i in range(4)]}
+    for label, rows in runs.items():
+        records = [r for i, plan, snap in rows for r in (
+            rec("fullkv", None, i, 1.0, f"{label}-{i}"), rec("plan", 64, i, plan, f"{label}-{i}"),
+            rec("snapkv", 64, i, snap, f"{label}-{i}"))]
+        (tmp_path / f"{label}.json").write_text(json.dumps({"records": records}))
+    specs = [f"{label}={tmp_path / label}.json" for label in runs]
+    assert mod.main(specs + ["--pool", "--base", "snapkv"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {"snapkv (base)", "plan", "fullkv"}
+    assert rows["plan"].split("|")[3].strip().startswith("+50.0 [")  # 4 of 8 prompts, not 3 of 4 or 1 of 4
+    assert rows["fullkv"].split("|")[3].strip().startswith("+100.0")
+    assert mod.main([specs[1], "--pool", "--base", "snapkv"]) == 0  # one run alone: its own 1 of 4
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["plan"].split("|")[3].strip().startswith("+25.0 [")
+    with pytest.raises(SystemExit, match="same prompts"):
+        mod.main([specs[0], f"again={tmp_path / 's0.json'}", "--pool", "--base", "snapkv"])
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        mod.main([str(tmp_path / "s0.json"), specs[1], "--pool", "--base", "snapkv"])
+    with pytest.raises(SystemExit, match="names two runs"):
+        mod.main([specs[0], f"s0={tmp_path / 's5000.json'}", "--pool", "--base", "snapkv"])
+
+
 def test_paired_diff_pairs_teacher_forced_texts_by_metric(tmp_path, capsys):
     """--metric kl pairs the perplexity texts' KL per text (the bootstrap draws texts): a method whose KL is lower
     on every text by 0.01 differs by -0.0100 with an interval below 0; FullKV (KL 0) recovers 100%."""
