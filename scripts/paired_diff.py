@@ -172,8 +172,11 @@ def main(argv=None) -> int:
             point = task_average(scores[m]) - task_average(scores[base])
             full_gap = task_average(scores[full_key]) - task_average(scores[base])
             (d0, d1), gap_ci = interval(diff), interval(gap)
-            # no gap to recover where the base scores FullKV's average (in every replicate: no interval either)
+            # no gap to recover where the base scores FullKV's average (in every replicate: no interval either);
+            # where FullKV only ties the base, replicates divide by gaps near 0 and the ratio's interval means nothing
+            full_ci = interval(full - reps[base])
             gap_text = "-" if not full_gap else f"{100 * point / full_gap:.0f}%" + (
+                " (FullKV ties the base)" if full_ci and full_ci[0] <= 0 <= full_ci[1] else
                 f" [{100 * gap_ci[0]:.0f}%, {100 * gap_ci[1]:.0f}%]" if gap_ci else "")
             print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {fmt.format(point / unit)} "
                   f"[{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | {gap_text} | {of_full(m)} |")

@@ -936,6 +936,14 @@ def test_paired_diff_pools_runs_of_other_seeds(tmp_path, capsys):
     assert mod.main([specs[1], "--pool", "--base", "snapkv"]) == 0  # one run alone: its own 1 of 4
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows["plan"].split("|")[3].strip().startswith("+25.0 [")
+    assert rows["plan"].split("|")[4].strip().startswith("25% [")
+    # FullKV only ties the base (3 of 4 right against 4 of 4): the gap recovered has no interval worth printing
+    records = [r for i in range(4) for r in (rec("fullkv", None, i, 1.0, str(i)), rec("plan", 64, i, 1.0, str(i)),
+                                             rec("snapkv", 64, i, float(i < 3), str(i)))]
+    (tmp_path / "tie.json").write_text(json.dumps({"records": records}))
+    assert mod.main([str(tmp_path / "tie.json"), "--base", "snapkv"]) == 0
+    rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert rows["plan"].split("|")[4].strip() == "100% (FullKV ties the base)"
     with pytest.raises(SystemExit, match="same prompts"):
         mod.main([specs[0], f"again={tmp_path / 's0.json'}", "--pool", "--base", "snapkv"])
     with pytest.raises(SystemExit, match="LABEL=PATH"):
