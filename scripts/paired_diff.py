@@ -138,39 +138,49 @@ def main(argv=None) -> int:
         keep = set(args.only.split(",")) | {args.base, "fullkv"}
         scores = {m: v for m, v in scores.items()
                   if m.rpartition("@")[0] in keep or m in keep or m.rpartition(":")[2] == "fullkv"}
-    scores, n_dropped = common_samples(scores)
-    if n_dropped:
-        print(f"(a method lacks some samples: every method is compared on the {sum(map(len, next(iter(scores.values())).values()))} "
-              f"samples they all have; {n_dropped} results left out)")
-    reps = bootstrap_task_average(scores)
-    full_key = next((m for m in reps if m.rpartition(":")[2] == "fullkv"), None)
+    full_key = next((m for m in scores if m.rpartition(":")[2] == "fullkv"), None)
     if full_key is None:
         raise SystemExit("paired_diff: the run has no fullkv results")
-    full = reps[full_key]
-    bases = [m for m in reps if m.rpartition("@")[0] == args.base]
+    bases = [m for m in scores if m.rpartition("@")[0] == args.base]
     if not bases:
         raise SystemExit(f"paired_diff: no results of {args.base!r} ({args.protocol})")
-    def of_full(m: str) -> str:
-        if args.metric != "score":
-            return "-"
-        with np.errstate(divide="ignore", invalid="ignore"):
-            share = interval(reps[m] / full)
-        point = task_average(scores[m]) / task_average(scores[full_key])
-        return f"{100 * point:.0f}% [{100 * share[0]:.0f}%, {100 * share[1]:.0f}%]" if share else f"{100 * point:.0f}%"
+    # each base's comparisons on the samples that its budget's methods all have (pooled runs, or a run stopped
+    # early, may hold a budget or a method on fewer samples than the rest)
+    groups = {}
+    for base in bases:
+        budget = base.rpartition("@")[2]
+        group, n_dropped = common_samples({m: v for m, v in scores.items() if args.any_budget or m == full_key
+                                           or m.rpartition("@")[2] == budget})
+        if n_dropped:
+            where = f" at {budget}" if len(bases) > 1 else ""
+            print(f"(a method lacks some samples: every method is compared on the "
+                  f"{sum(map(len, group[base].values()))} samples they all have{where}; {n_dropped} results left out)")
+        groups[base] = (group, bootstrap_task_average(group))
 
     print(f"| method - {args.base} | budget | difference [95% CI] | gap recovered [95% CI] | of FullKV [95% CI] |")
     print("|---|---:|---:|---:|---:|")
     for base in bases:
         budget = base.rpartition("@")[2]
+        group, reps = groups[base]
+        full = reps[full_key]
+
+        def of_full(m: str) -> str:
+            if args.metric != "score":
+                return "-"
+            with np.errstate(divide="ignore", invalid="ignore"):
+                share = interval(reps[m] / full)
+            point = task_average(group[m]) / task_average(group[full_key])
+            return f"{100 * point:.0f}% [{100 * share[0]:.0f}%, {100 * share[1]:.0f}%]" if share else f"{100 * point:.0f}%"
+
         print(f"| {base.rpartition('@')[0]} (base) | {budget} | - | - | {of_full(base)} |")
         for m in sorted(reps):
-            if m in (base, full_key) or (m.rpartition("@")[2] != budget and not args.any_budget):
+            if m in (base, full_key):
                 continue
             diff = reps[m] - reps[base]
             with np.errstate(divide="ignore", invalid="ignore"):  # replicates where the base equals FullKV
                 gap = diff / (full - reps[base])
-            point = task_average(scores[m]) - task_average(scores[base])
-            full_gap = task_average(scores[full_key]) - task_average(scores[base])
+            point = task_average(group[m]) - task_average(group[base])
+            full_gap = task_average(group[full_key]) - task_average(group[base])
             (d0, d1), gap_ci = interval(diff), interval(gap)
             # no gap to recover where the base scores FullKV's average (in every replicate: no interval either);
             # where FullKV only ties the base, replicates divide by gaps near 0 and the ratio's interval means nothing
@@ -180,7 +190,7 @@ def main(argv=None) -> int:
                 f" [{100 * gap_ci[0]:.0f}%, {100 * gap_ci[1]:.0f}%]" if gap_ci else "")
             print(f"| {m.rpartition('@')[0]} | {m.rpartition('@')[2]} | {fmt.format(point / unit)} "
                   f"[{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | {gap_text} | {of_full(m)} |")
-        point = task_average(scores[full_key]) - task_average(scores[base])
+        point = task_average(group[full_key]) - task_average(group[base])
         d0, d1 = interval(full - reps[base])
         print(f"| {full_key} | {budget} | {fmt.format(point / unit)} [{fmt.format(d0 / unit)}, {fmt.format(d1 / unit)}] | 100% | - |")
     return 0
