@@ -933,6 +933,16 @@ def test_paired_diff_pools_runs_of_other_seeds(tmp_path, capsys):
     assert set(rows) == {"snapkv (base)", "plan", "fullkv"}
     assert rows["plan"].split("|")[3].strip().startswith("+50.0 [")  # 4 of 8 prompts, not 3 of 4 or 1 of 4
     assert rows["fullkv"].split("|")[3].strip().startswith("+100.0")
+    # a budget only one run has (128, in s0) is compared on that run's prompts; 64 still on both runs'
+    extra = json.loads((tmp_path / "s0.json").read_text())
+    extra["records"] += [rec(m, 128, i, 1.0, f"s0-{i}") for m in ("plan", "snapkv") for i in range(4)]
+    (tmp_path / "s0.json").write_text(json.dumps(extra))
+    assert mod.main(specs + ["--pool", "--base", "snapkv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "(a method lacks some samples: every method is compared on the 4 samples they all have at 128; " \
+                     "4 results left out)"
+    rows = [line.split("|") for line in out[3:]]
+    assert [r[3].strip()[:5] for r in rows if r[1].strip() == "plan"] == ["+50.0", "+0.0 "]
     assert mod.main([specs[1], "--pool", "--base", "snapkv"]) == 0  # one run alone: its own 1 of 4
     rows = {line.split("|")[1].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
     assert rows["plan"].split("|")[3].strip().startswith("+25.0 [")
