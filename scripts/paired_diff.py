@@ -79,15 +79,17 @@ def load_runs(specs: list[str], protocol: str, metric: str = "score",
         for r in records:
             if r.get("kind", "ruler") != "ruler" or "answers" not in r:
                 continue
-            key = (label, r["task"], r["length"], r["index"]) if pool else (r["task"], r["length"], r["index"])
+            sample = (r["task"], r["length"], r["index"])
+            key = (label, *sample) if pool else sample
             this = (json.dumps(r["answers"]), r.get("n_prompt"))
-            samples_of.setdefault(label, {})[key[1:] if pool else key] = this
+            if pool:
+                samples_of.setdefault(label, {})[sample] = this
             if prompts.setdefault(key, this) != this:
                 raise SystemExit(f"paired_diff: {path}: sample {key} differs from the other runs' (answers or prompt "
                                  "length): not the same prompts")
         if pool:
+            ours = samples_of.get(label, {})
             for other, theirs in samples_of.items():
-                ours = samples_of[label]
                 shared = set(ours) & set(theirs) if other != label else set()
                 if shared and all(ours[k] == theirs[k] for k in shared):
                     raise SystemExit(f"paired_diff: {label} and {other} hold the same prompts (answers and lengths): "
