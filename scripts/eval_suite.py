@@ -16,7 +16,8 @@ import sys
 PRESETS = {
     # the full comparison: 4 budgets x 2 lengths x 8 tasks x 2 samples, both protocols, PPL/KL
     "paper": ["--budgets", "128,256,512,1024", "--lengths", "4k,8k", "--tasks", "all", "--samples", "2"],
-    # docs/results.md on 2 CPU cores: 4K, every task and budget, one sample (about 25 min for the 0.5B model)
+    # docs/results-archive.md, "Quality at 4K: Qwen2.5-Coder-0.5B", on 2 CPU cores: 4K, every task and budget, one
+    # sample (about 25 min for the 0.5B model)
     "cpu": ["--budgets", "128,256,512,1024", "--lengths", "4k", "--tasks", "all", "--samples", "1",
             "--ppl-tokens", "128"],
     # minutes: checks that everything runs end to end
