@@ -25,6 +25,9 @@ within each task, from every run's samples of it:
 
     python scripts/paired_diff.py s0=results/eval-qwen-4k-head-median/results.json \
         s5000=results/eval-qwen-4k-head-median-seed5000/results.json --pool --base head-median
+
+A label given twice names two runs of the same prompts (a plan evaluated later on a seed's prompts): their methods
+are merged under that label, a method both hold (FullKV, say) taken from the first one given.
 """
 
 from __future__ import annotations
@@ -63,18 +66,20 @@ def load_runs(specs: list[str], protocol: str, metric: str = "score",
               pool: bool = False) -> dict[str, dict[str, dict[tuple, float]]]:
     """method_scores of one results.json, or of several given as LABEL=PATH (methods named LABEL:method); refuses
     runs whose shared samples differ (answers or prompt length): their scores would not pair. With ``pool`` the
-    runs are on different prompts: a sample is keyed by its run's LABEL as well, and methods keep their names."""
+    runs are on different prompts: a sample is keyed by its run's LABEL as well, and methods keep their names; a
+    LABEL given again adds another run of the same prompts (its methods merged; a method both have keeps the
+    first run's scores)."""
     scores: dict[str, dict[str, dict[tuple, float]]] = {}
     prompts: dict[tuple, tuple] = {}
     samples_of: dict[str, dict[tuple, tuple]] = {}  # with pool: each run's samples, to refuse the same prompts twice
+    methods_of: dict[str, set[str]] = {}  # with pool: the methods each label's runs gave so far
     for spec in specs:
         label, sep, path = spec.partition("=")
         if not sep:
             label, path = "", spec
         if pool and not label:
             raise SystemExit(f"paired_diff: --pool needs every run as LABEL=PATH ({spec})")
-        if pool and label in samples_of:
-            raise SystemExit(f"paired_diff: --pool: the label {label!r} names two runs")
+        earlier_methods = set(methods_of.get(label, ()))  # with pool: a label given again adds a run of its prompts
         records = json.load(open(path))["records"]
         for r in records:
             if r.get("kind", "ruler") != "ruler" or "answers" not in r:
@@ -96,6 +101,10 @@ def load_runs(specs: list[str], protocol: str, metric: str = "score",
                                      "--pool adds runs of other seeds; pair runs of the same prompts without it")
         for m, v in method_scores(records, protocol, metric).items():
             if pool:
+                if m in earlier_methods:
+                    print(f"({label}: {m} is in two of its runs; the scores of the first given are used)")
+                    continue
+                methods_of.setdefault(label, set()).add(m)
                 for task, by_sample in v.items():
                     scores.setdefault(m, {}).setdefault(task, {}).update(
                         {(label, *sample): x for sample, x in by_sample.items()})

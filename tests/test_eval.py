@@ -913,7 +913,8 @@ def test_paired_diff_pairs_runs_on_the_same_prompts(tmp_path, capsys):
 
 def test_paired_diff_pools_runs_of_other_seeds(tmp_path, capsys):
     """--pool adds the samples of runs on other prompts (another seed) to one set: the methods keep their names and
-    the difference is that of all samples together; runs of the same prompts are refused."""
+    the difference is that of all samples together; runs of the same prompts under two labels are refused, under
+    one label merged."""
     mod = _script("paired_diff")
 
     def rec(method, budget, i, score, answer):
@@ -958,8 +959,22 @@ def test_paired_diff_pools_runs_of_other_seeds(tmp_path, capsys):
         mod.main([specs[0], f"again={tmp_path / 's0.json'}", "--pool", "--base", "snapkv"])
     with pytest.raises(SystemExit, match="LABEL=PATH"):
         mod.main([str(tmp_path / "s0.json"), specs[1], "--pool", "--base", "snapkv"])
-    with pytest.raises(SystemExit, match="names two runs"):
+    with pytest.raises(SystemExit, match="not the same prompts"):  # a label given again: a run of its prompts
         mod.main([specs[0], f"s0={tmp_path / 's5000.json'}", "--pool", "--base", "snapkv"])
+    # s5000 split in two runs of its prompts (plan later, FullKV in both, the second's differing): merged under the
+    # label, FullKV from the first given; the pooled result is that of the whole files
+    whole = json.loads((tmp_path / "s5000.json").read_text())["records"]
+    first = [r for r in whole if r["method"] != "plan"]
+    later = [r for r in whole if r["method"] == "plan"] + [{**r, "score": 0.0} for r in whole if r["method"] == "fullkv"]
+    (tmp_path / "s5000a.json").write_text(json.dumps({"records": first}))
+    (tmp_path / "s5000b.json").write_text(json.dumps({"records": later}))
+    assert mod.main([specs[0], f"s5000={tmp_path / 's5000a.json'}", f"s5000={tmp_path / 's5000b.json'}",
+                     "--pool", "--base", "snapkv"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "(s5000: fullkv is in two of its runs; the scores of the first given are used)" in out
+    rows = {line.split("|")[1].strip(): line for line in out if line.split("|")[2:3] == [" 64 "]}
+    assert rows["plan"].split("|")[3].strip().startswith("+50.0 [")
+    assert rows["fullkv"].split("|")[3].strip().startswith("+100.0")
 
 
 def test_paired_diff_pairs_teacher_forced_texts_by_metric(tmp_path, capsys):
