@@ -351,6 +351,60 @@ def test_budget_that_cannot_fit_fails_at_context_creation(tiny_gguf):
             model.context(n_ctx=256)
 
 
+def _sink_window_plan(n_sink: int, window: int, budget: int, **extra) -> plan_mod.Plan:
+    phase = {"pattern": "h2o", "budget": budget, "n_sink": n_sink, "window": window}
+    return plan_mod.Plan.from_dict({
+        "version": 1, "n_layer": 2, "budget_avg": budget, "b_min": 1, "budget_rule": "test", "exact_total": False,
+        **extra, "layers": [{"layer": i, "prefill": dict(phase), "decode": dict(phase)} for i in range(2)]})
+
+
+def test_kv_budget_shrinks_windows_like_python(tiny_gguf):
+    """Found by reading the code (session 59): the native rescale (--kv-budget) kept a window that no longer fit the
+    new budget, so the recent window took the whole budget and the sinks were dropped, where Plan.scaled shrinks the
+    window to budget - n_sink. H2O with sinks 4 and window 32 at 16 keeps exactly its sinks and the last 12."""
+    plan = _sink_window_plan(4, 32, 40)
+    scaled = plan.scaled(16)
+    assert (scaled.layers[0].prefill.n_sink, scaled.layers[0].prefill.window) == (4, 12)
+    n = 40
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan, kv_budget=16)
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode(list(range(1, n + 1)))
+            for layer in range(2):
+                assert ctx.kept_positions(layer) == list(range(4)) + list(range(n - 12, n))
+
+
+def test_kv_budget_below_the_sinks_is_refused_like_python(tiny_gguf):
+    """Found by reading the code (session 59): a rescaled budget below a layer's sinks was accepted natively, and with
+    a protected tail the prefill window came out negative: the selection then marked sinks past the end of its score
+    buffer (a heap overflow). Plan.scaled refuses it, and so does the native library now, at context creation."""
+    plan = _sink_window_plan(16, 16, 64, protect_tail=2)
+    with pytest.raises(PlanError, match="n_sink 16 does not fit the scaled budget"):
+        plan.scaled(8)
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan, kv_budget=8)
+        with pytest.raises(NativeError, match="n_sink 16 does not fit the scaled budget"):
+            model.context(n_ctx=256)
+
+
+def test_a_share_that_resolves_to_no_token_is_refused_by_both_parsers(tiny_gguf):
+    """Found by reading the code (session 59): with b_min 0 a share of 0 resolves to a budget of 0 tokens; Python
+    refused it, the native parser accepted it (and a per-prompt split then divided by that budget)."""
+    import json
+    shares = {
+        "version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 0, "budget_rule": "test", "exact_total": False,
+        "layers": [{"layer": i, "prefill": {"pattern": "h2o", "share": float(i)},
+                    "decode": {"pattern": "h2o", "budget": 64}} for i in range(2)]}
+    with pytest.raises(PlanError, match="budget 0 must be positive"):
+        plan_mod.Plan.from_dict(shares)
+    with Model(tiny_gguf) as model:
+        with pytest.raises(PlanError, match="budget 0 must be positive"):
+            model._set_native_plan(json.dumps(shares), 0)
+        shares["layers"][0]["prefill"]["share"] = 0.5
+        shares["layers"][1]["prefill"]["share"] = 0.5
+        model._set_native_plan(json.dumps(shares), 0)  # the same plan with both layers given tokens loads
+
+
 def test_kv_budget_beyond_a_layers_index_range_is_refused(tiny_gguf):
     """Found by the libFuzzer harness (native/fuzz/regressions/budget-beyond-int32): a KV budget near 2^31 gave the
     layer with the larger share more than 2^31 - 1 tokens, cut to a negative int32 budget."""

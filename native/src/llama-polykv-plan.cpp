@@ -372,6 +372,7 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
                 parse_phase(lj.at(phase_names[p]), plan.layers[il][p], plan.b_min, where);
                 const auto & pj = lj.at(phase_names[p]);
                 obs_given[p][il] = pj.contains("obs_window") && !pj.at("obs_window").is_null();
+                plan.layers[il][p].obs_given = obs_given[p][il];
             }
             const auto & lp = plan.layers[il];
             if (lp[1].prefill_only()) {
@@ -437,6 +438,10 @@ bool llama_polykv_plan_parse(const std::string & text, llama_polykv_plan & plan,
             for (size_t k = 0; k < budgeted.size(); ++k) {
                 const int32_t il = budgeted[k];
                 const auto & pp = plan.layers[il][p];
+                if (tokens[k] < 1) {
+                    throw std::runtime_error("layer " + std::to_string(il) + " " + ph + ": budget " + std::to_string(tokens[k]) +
+                                             " must be positive");
+                }
                 if (reserved_tokens(pp, obs_given[p][il]) > tokens[k]) {
                     throw std::runtime_error("layer " + std::to_string(il) + " " + ph + ": sinks + recent window exceed the budget " +
                                              std::to_string(tokens[k]));
@@ -562,9 +567,26 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
                 return false;
             }
         }
+        // as Plan.scaled: every budget positive, the sinks within it, windows that no longer fit shrunk to what is left
         for (size_t i = 0; i < budgeted.size(); ++i) {
-            plan.layers[budgeted[i]][p].budget = (int32_t) budgets[i];
-            plan.layers[budgeted[i]][p].share  = -1.0;
+            auto & pp = plan.layers[budgeted[i]][p];
+            const std::string where = "layer " + std::to_string(budgeted[i]) + (p == LLAMA_POLYKV_PHASE_PREFILL ? " prefill" : " decode");
+            if (budgets[i] < 1) {
+                err = where + ": a KV budget of " + std::to_string(avg) + " tokens per layer leaves it " +
+                      std::to_string(budgets[i]) + " tokens; a budget must be positive";
+                return false;
+            }
+            if (pp.n_sink > budgets[i]) {
+                err = where + ": n_sink " + std::to_string(pp.n_sink) + " does not fit the scaled budget " + std::to_string(budgets[i]);
+                return false;
+            }
+            pp.budget = (int32_t) budgets[i];
+            pp.share  = -1.0;
+            const int32_t room = pp.budget - pp.n_sink;
+            pp.window = std::min(pp.window, room);
+            if (pp.obs_given && pp.obs_window > room) {
+                pp.obs_window = std::max<int32_t>(1, room);
+            }
         }
     }
     if (plan.protect_tail > 0) {

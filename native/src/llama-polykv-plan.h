@@ -50,6 +50,7 @@ struct llama_polykv_phase_plan {
     int32_t n_sink      = 0;
     int32_t window      = 0;
     int32_t obs_window  = 32;
+    bool    obs_given   = false; // obs_window given by the plan (a rescaled budget shrinks only a given one, as Plan.scaled)
     int32_t pool_kernel = 1;
     int32_t pool_shift  = 0;    // the pooling window moved back by this many places, |pool_shift| <= pool_kernel / 2
 

@@ -288,8 +288,8 @@ void llama_kv_cache_poly::read_scores(group & grp, uint32_t n_tokens, bool with_
 // as polykv_cpp.patterns._protect: +inf on the last min(window, budget) and the first min(n_sink, budget - w)
 static void protect(std::vector<double> & sc, int32_t budget, int32_t n_sink, int32_t window) {
     const int32_t n = sc.size();
-    const int32_t w = std::min({ window, budget, n });
-    const int32_t s = std::min({ n_sink, budget - w, n - w });
+    const int32_t w = std::max(0, std::min({ window, budget, n }));
+    const int32_t s = std::max(0, std::min({ n_sink, budget - w, n - w }));
     for (int32_t i = n - w; i < n; ++i) {
         sc[i] = INFINITY;
     }
@@ -645,7 +645,7 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
         auto & dec = grp.phase[LLAMA_POLYKV_PHASE_DECODE];
         const int32_t d_plan = grp.plan_budget[LLAMA_POLYKV_PHASE_DECODE];
         if (dec.pattern != LLAMA_POLYKV_FULLKV && d_plan >= 0) {
-            dec.budget = d_plan == b_plan ? b_new : std::max<int32_t>(1, (int32_t) ((int64_t) d_plan * b_new / b_plan));
+            dec.budget = d_plan == b_plan || b_plan < 1 ? b_new : std::max<int32_t>(1, (int32_t) ((int64_t) d_plan * b_new / b_plan));
         }
     }
 }

@@ -1715,8 +1715,13 @@ int64_t llama_polykv_compress_prompt(struct llama_context * ctx) {
     }
     llama_synchronize(ctx); // a compaction reads the cache the last decode wrote
     int64_t n_freed = 0;
-    for (auto * p : get_polys(ctx)) {
-        n_freed += (int64_t) p->compress_prompt();
+    try {
+        for (auto * p : get_polys(ctx)) {
+            n_freed += (int64_t) p->compress_prompt();
+        }
+    } catch (const std::exception & e) {
+        set_last_error(e.what());
+        return -1;
     }
     return n_freed;
 }
