@@ -662,3 +662,27 @@ def test_env_plan_applies_only_to_models_of_its_layer_count(twin, tmp_path, monk
             ctx.decode(list(range(3, 20)))
         with pytest.raises(PlanError, match="layers"):
             model.set_plan(one_layer_plan(1, "snapkv"))
+
+
+def test_compression_keeps_each_kv_heads_scores_in_a_portable_context(tiny_gguf):
+    """Found by reading the code (session 59): the compaction after a portable prompt's compression moved the
+    layer's score of every kept token but zeroed each KV head's (a portable context scores both, so that a state
+    serves per-head plans too): each kept token keeps the scores it had before, for the layer and for every head."""
+    plan = plan_mod.uniform_plan(2, "h2o", 24, window=4)
+    n = 64
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan, prefill="portable")
+        with model.context(n_ctx=256) as ctx:
+            ctx.decode([(7 * i) % 300 + 1 for i in range(n)])
+            before = {}
+            for layer in range(2):
+                assert ctx.kept_positions(layer) == list(range(n))
+                for head in (None, 0, 1):
+                    before[layer, head] = dict(zip(range(n), ctx.kept_scores(layer, head).tolist()))
+                    assert any(before[layer, head].values())
+            assert ctx.compress_prompt() > 0
+            for layer in range(2):
+                kept = ctx.kept_positions(layer)
+                assert len(kept) == 24 and kept != list(range(24))  # scored, and moved by the compaction
+                for head in (None, 0, 1):
+                    assert ctx.kept_scores(layer, head).tolist() == [before[layer, head][p] for p in kept], (layer, head)

@@ -1263,9 +1263,12 @@ void llama_polykv_io_read::read_tensor(ggml_tensor * tensor, size_t offset, size
 }
 
 void llama_kv_cache_poly::compact(group & grp) {
+    // every score slot of a cell (the layer's and, when a portable prefill scores heads too, each KV head's),
+    // slot s of cell i at s*capacity + i
+    const size_t n_slots = grp.n_slots();
+    const size_t cap     = grp.capacity;
     struct cell_score {
-        float acc, last, knorm, zmax, ea;
-        std::vector<float> ring;
+        std::vector<float> acc, last, knorm, zmax, ea, ring; // ring: row-major over the ring's rows, then slots
     };
     std::map<llama_pos, cell_score> by_pos;
     {
@@ -1274,9 +1277,17 @@ void llama_kv_cache_poly::compact(group & grp) {
             if (cells.is_empty(i)) {
                 continue;
             }
-            cell_score cs = { grp.acc[i], grp.last[i], grp.knorm[i], grp.zmax[i], grp.ea[i], {} };
-            for (const auto & row : grp.ring) {
-                cs.ring.push_back(row[i]);
+            cell_score cs;
+            for (size_t sl = 0; sl < n_slots; ++sl) {
+                const size_t u = sl * cap + i;
+                cs.acc.push_back(grp.acc[u]);
+                cs.last.push_back(grp.last[u]);
+                cs.knorm.push_back(grp.knorm[u]);
+                cs.zmax.push_back(grp.zmax[u]);
+                cs.ea.push_back(grp.ea[u]);
+                for (const auto & row : grp.ring) {
+                    cs.ring.push_back(row[u]);
+                }
             }
             by_pos[cells.pos_get(i)] = std::move(cs);
         }
@@ -1302,13 +1313,17 @@ void llama_kv_cache_poly::compact(group & grp) {
         }
         const auto it = by_pos.find(cells.pos_get(i));
         GGML_ASSERT(it != by_pos.end());
-        grp.acc[i]   = it->second.acc;
-        grp.last[i]  = it->second.last;
-        grp.knorm[i] = it->second.knorm;
-        grp.zmax[i]  = it->second.zmax;
-        grp.ea[i]    = it->second.ea;
-        for (size_t k = 0; k < grp.ring.size(); ++k) {
-            grp.ring[k][i] = it->second.ring[k];
+        const cell_score & cs = it->second;
+        for (size_t sl = 0; sl < n_slots; ++sl) {
+            const size_t u = sl * cap + i;
+            grp.acc[u]   = cs.acc[sl];
+            grp.last[u]  = cs.last[sl];
+            grp.knorm[u] = cs.knorm[sl];
+            grp.zmax[u]  = cs.zmax[sl];
+            grp.ea[u]    = cs.ea[sl];
+            for (size_t k = 0; k < grp.ring.size(); ++k) {
+                grp.ring[k][u] = cs.ring[sl * grp.ring.size() + k];
+            }
         }
     }
     grp.ring_changed();
