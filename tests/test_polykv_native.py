@@ -396,7 +396,7 @@ def test_a_share_that_resolves_to_no_token_is_refused_by_both_parsers(tiny_gguf)
         "layers": [{"layer": i, "prefill": {"pattern": "h2o", "share": float(i)},
                     "decode": {"pattern": "h2o", "budget": 64}} for i in range(2)]}
     with pytest.raises(PlanError, match="budget 0 must be positive"):
-        plan_mod.Plan.from_dict(shares)
+        plan_mod.Plan.from_dict(shares).validate()
     with Model(tiny_gguf) as model:
         with pytest.raises(PlanError, match="budget 0 must be positive"):
             model._set_native_plan(json.dumps(shares), 0)
