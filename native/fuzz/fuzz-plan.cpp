@@ -69,6 +69,9 @@ static void check_resolved(const llama_polykv_plan & parsed, int32_t kv_budget, 
             expect(pp.budget >= 1, "a resolved budget keeps at least one token", il, p);
             expect(pp.budget >= plan.b_min, "a resolved budget keeps b_min", il, p);
             expect(pp.n_sink >= 0 && pp.window >= 0, "sinks, windows >= 0 after resolution", il, p);
+            expect((int64_t) pp.n_sink + pp.window <= pp.budget, "sinks + window within the budget after resolution", il, p);
+            expect(kv_budget <= 0 || !pp.obs_given || pp.obs_window <= std::max(1, pp.budget - pp.n_sink),
+                   "a rescaled plan's given observation windows within its budgets (as Plan.scaled)", il, p);
             capped |= !caps.empty() && caps[il] > 0;
             sum += pp.budget;
         }
