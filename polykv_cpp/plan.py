@@ -338,7 +338,10 @@ class PhasePlan:
         if share is not None:
             if not _is_num(share):
                 raise PlanError(f"{where}: share must be a number (got {share!r})")
-            share = float(share)
+            try:
+                share = float(share)
+            except OverflowError:  # a JSON integer beyond a float's range
+                raise PlanError(f"{where}: share must be a finite number (got an integer of {len(str(share))} digits)") from None
         params: dict[str, int | None] = {}
         for k in _PARAM_KEYS:
             v = d.get(k)
@@ -1134,7 +1137,8 @@ def chunked_prefill_slack(plan: "Plan | None", explicit: float | None = None) ->
 
 def _is_slack(v: Any) -> bool:
     """A plan's ``prefill_slack``: a finite number (not a bool) from 1 to :data:`MAX_PREFILL_SLACK`."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 1 <= v <= MAX_PREFILL_SLACK
+    # no float() of an int: JSON integers have no size limit, and one beyond a float's range raises OverflowError
+    return _is_num(v) and (isinstance(v, int) or math.isfinite(v)) and 1 <= v <= MAX_PREFILL_SLACK
 
 
 def _check_phase_static(pp: PhasePlan, where: str, b_min: int) -> None:

@@ -504,6 +504,21 @@ def test_largest_remainder_exact():
         P.allocate_budgets(15, [1, 1], 10)
 
 
+@pytest.mark.parametrize("key", ["share", "prefill_slack", "allocation_cap"])
+def test_integers_beyond_a_floats_range_get_a_plan_error(key):
+    """Found by reading the code (session 59): JSON integers have no size limit, and a 400-digit share, prefill
+    slack or allocation cap raised OverflowError from float() instead of PlanError (the native parser refuses the
+    same number as out of range)."""
+    big = "1" + "0" * 400
+    phase = '{"pattern": "h2o", "budget": 8}'
+    prefill = f'{{"pattern": "h2o", "share": {big}}}' if key == "share" else phase
+    top = "" if key == "share" else f'"{key}": {big}, ' + ('"allocation": "prompt", ' if key == "allocation_cap" else "")
+    text = (f'{{"version": 1, "n_layer": 1, "budget_avg": 8, "b_min": 1, "budget_rule": "t", {top}'
+            f'"layers": [{{"layer": 0, "prefill": {prefill}, "decode": {phase}}}]}}')
+    with pytest.raises(PlanError, match=key):
+        P.Plan.from_json(text).validate()
+
+
 def test_scaled_refuses_budgets_beyond_int32():
     """Found by the atheris fuzz (native/fuzz/regressions/budget-beyond-int32), as the native side by libFuzzer: a
     KV budget near 2^31 gave a layer more tokens than int32 holds, a plan that no longer validated."""
