@@ -109,6 +109,8 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
         "unknown key": mutated(colour="red"),
         "`allocation` neither plan nor prompt": mutated(allocation="everywhere"),
         "negative `protect_tail`": mutated(protect_tail=-32),
+        "a share that gives a layer 0 tokens (`b_min` 0)": _share_plan(0.0, 1.0),
+        "a 400-digit share": _share_plan(10 ** 400, 1.0),
         "empty file": "",
     }
     names = list(plans)
@@ -169,6 +171,9 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
              env={"LLAMA_POLYKV_PLAN": p("truncated JSON")}),
         Case("environment", "`LLAMA_POLYKV_KV_BUDGET=abc`", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_KV_BUDGET": "abc"}),
+        Case("environment", "`LLAMA_POLYKV_KV_BUDGET=8` for a plan with 16 sinks and a protected tail",
+             ["{py}", _ENV.format(model=str(model))],
+             env={"LLAMA_POLYKV_PLAN": plan_file("sinks.json", _sinks_plan()), "LLAMA_POLYKV_KV_BUDGET": "8"}),
         Case("environment", "`LLAMA_POLYKV_PREFILL=sideways`", ["{py}", _ENV.format(model=str(model))],
              env={"LLAMA_POLYKV_PLAN": str(work / "good.json"), "LLAMA_POLYKV_PREFILL": "sideways"}),
         Case("environment", "`LLAMA_POLYKV_PREFILL_SLACK=-1`", ["{py}", _ENV.format(model=str(model))],
@@ -190,6 +195,23 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
                                                    str(work / "missing.txt"), "--out", str(work / "eval")]),
     ]
     return cases, [model, other, work / "tiny.polykv.gguf"]
+
+
+def _share_plan(*shares) -> str:
+    """A 2-layer plan whose prefill budgets are shares (of the pool above `b_min` 0), its decode 64 tokens each."""
+    layers = [{"layer": i, "prefill": {"pattern": "h2o", "share": "SHARE%d" % i}, "decode": {"pattern": "h2o", "budget": 64}}
+              for i in range(2)]
+    text = json.dumps({"version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 0, "budget_rule": "test", "layers": layers})
+    for i, share in enumerate(shares):  # written as JSON numbers of any size
+        text = text.replace(f'"SHARE{i}"', repr(share))
+    return text
+
+
+def _sinks_plan() -> str:
+    """H2O with 16 sinks and a 2-token protected tail at 64 tokens per layer: fine as written, not at 8."""
+    phase = {"pattern": "h2o", "budget": 64, "n_sink": 16, "window": 16}
+    return json.dumps({"version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 1, "budget_rule": "test",
+                       "protect_tail": 2, "layers": [{"layer": i, "prefill": phase, "decode": phase} for i in range(2)]})
 
 
 def _bytes_file(path: Path, data: bytes) -> str:
