@@ -424,13 +424,18 @@ static std::vector<double> ranked_scores(const llama_kv_cache_poly::group & grp,
     return sc;
 }
 
+// a score as the selections order it: NaN as -inf, so that every comparison is a strict weak order
+static double rank_key(double v) {
+    return std::isnan(v) ? -INFINITY : v;
+}
+
 // the indices of the k lowest scores in ascending order, among ties the earlier index first (keeping the tail keeps
 // the more recent token of a tie); the rest is not sorted: a decode step drops one token of hundreds. A NaN score
 // ranks lowest
 static std::vector<int32_t> lowest(const std::vector<double> & sc, int32_t k) {
     std::vector<int32_t> order(sc.size());
     std::iota(order.begin(), order.end(), 0);
-    auto key  = [&](int32_t i) { return std::isnan(sc[i]) ? -INFINITY : sc[i]; };
+    auto key  = [&](int32_t i) { return rank_key(sc[i]); };
     auto less = [&](int32_t a, int32_t c) { return key(a) < key(c) || (key(a) == key(c) && a < c); };
     if (k < (int32_t) order.size()) {
         std::nth_element(order.begin(), order.begin() + k, order.end(), less);
@@ -502,7 +507,7 @@ static std::vector<std::vector<uint32_t>> select_drop_adaptive(const llama_kv_ca
         }
     }
     std::stable_sort(pairs.begin(), pairs.end(), [&](const auto & x, const auto & y) {
-        return sc[x.first][x.second] < sc[y.first][y.second];
+        return rank_key(sc[x.first][x.second]) < rank_key(sc[y.first][y.second]);
     });
     for (auto it = pairs.rbegin(); it != pairs.rend() && left > 0; ++it) {
         const int32_t h = it->first;
@@ -629,7 +634,7 @@ void llama_kv_cache_poly::allocate_pool(const std::vector<uint32_t> & cand) {
     }
     // listed layer by layer, set by set, oldest first: a stable ascending sort taken from the top prefers, among
     // ties, the later layer, head and token
-    std::stable_sort(rest.begin(), rest.end(), [](const entry & a, const entry & b) { return a.score < b.score; });
+    std::stable_sort(rest.begin(), rest.end(), [](const entry & a, const entry & b) { return rank_key(a.score) < rank_key(b.score); });
     for (auto it = rest.rbegin(); it != rest.rend() && left > 0; ++it) {
         if (unit[it->k] > left || taken[it->k] + unit[it->k] > cap[it->k]) {
             continue;
