@@ -1273,7 +1273,7 @@ void llama_kv_cache_poly::compact(group & grp) {
     const size_t n_slots = grp.n_slots();
     const size_t cap     = grp.capacity;
     struct cell_score {
-        std::vector<float> acc, last, knorm, zmax, ea, ring; // ring: row-major over the ring's rows, then slots
+        std::vector<float> acc, last, knorm, zmax, ea, ring; // ring: slot by slot, each slot's ring rows
     };
     std::map<llama_pos, cell_score> by_pos;
     {
