@@ -199,12 +199,9 @@ def build_cases(work: Path) -> tuple[list[Case], list[Path]]:
 
 def _share_plan(*shares) -> str:
     """A 2-layer plan whose prefill budgets are shares (of the pool above `b_min` 0), its decode 64 tokens each."""
-    layers = [{"layer": i, "prefill": {"pattern": "h2o", "share": "SHARE%d" % i}, "decode": {"pattern": "h2o", "budget": 64}}
-              for i in range(2)]
-    text = json.dumps({"version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 0, "budget_rule": "test", "layers": layers})
-    for i, share in enumerate(shares):  # written as JSON numbers of any size
-        text = text.replace(f'"SHARE{i}"', repr(share))
-    return text
+    layers = [{"layer": i, "prefill": {"pattern": "h2o", "share": share}, "decode": {"pattern": "h2o", "budget": 64}}
+              for i, share in enumerate(shares)]
+    return json.dumps({"version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 0, "budget_rule": "test", "layers": layers})
 
 
 def _sinks_plan() -> str:
