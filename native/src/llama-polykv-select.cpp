@@ -1268,33 +1268,14 @@ void llama_polykv_io_read::read_tensor(ggml_tensor * tensor, size_t offset, size
 }
 
 void llama_kv_cache_poly::compact(group & grp) {
-    // every score slot of a cell (the layer's and, when a portable prefill scores heads too, each KV head's),
-    // slot s of cell i at s*capacity + i
-    const size_t n_slots = grp.n_slots();
-    const size_t cap     = grp.capacity;
-    struct cell_score {
-        std::vector<float> acc, last, knorm, zmax, ea, ring; // ring: slot by slot, each slot's ring rows
-    };
-    std::map<llama_pos, cell_score> by_pos;
+    // the cell each position held before the move: its scores follow it
+    std::map<llama_pos, uint32_t> old_cell;
     {
         const auto & cells = grp.kv->get_cells(0);
         for (uint32_t i = 0; i < cells.size(); ++i) {
-            if (cells.is_empty(i)) {
-                continue;
+            if (!cells.is_empty(i)) {
+                old_cell[cells.pos_get(i)] = i;
             }
-            cell_score cs;
-            for (size_t sl = 0; sl < n_slots; ++sl) {
-                const size_t u = sl * cap + i;
-                cs.acc.push_back(grp.acc[u]);
-                cs.last.push_back(grp.last[u]);
-                cs.knorm.push_back(grp.knorm[u]);
-                cs.zmax.push_back(grp.zmax[u]);
-                cs.ea.push_back(grp.ea[u]);
-                for (const auto & row : grp.ring) {
-                    cs.ring.push_back(row[u]);
-                }
-            }
-            by_pos[cells.pos_get(i)] = std::move(cs);
         }
     }
     // a whole-cache restore of the stock cache puts the cells it reads at cells 0..n-1
@@ -1303,33 +1284,37 @@ void llama_kv_cache_poly::compact(group & grp) {
     llama_polykv_io_read r(w.buf);
     grp.kv->state_read(r);
 
-    std::fill(grp.acc.begin(), grp.acc.end(), 0.0f);
-    std::fill(grp.last.begin(), grp.last.end(), 0.0f);
-    std::fill(grp.knorm.begin(), grp.knorm.end(), 0.0f);
-    std::fill(grp.zmax.begin(), grp.zmax.end(), 0.0f);
-    std::fill(grp.ea.begin(), grp.ea.end(), 0.0f);
-    for (auto & row : grp.ring) {
-        std::fill(row.begin(), row.end(), 0.0f);
-    }
+    std::vector<std::pair<uint32_t, uint32_t>> moves; // (new cell, old cell)
     const auto & cells = grp.kv->get_cells(0);
     for (uint32_t i = 0; i < cells.size(); ++i) {
         if (cells.is_empty(i)) {
             continue;
         }
-        const auto it = by_pos.find(cells.pos_get(i));
-        GGML_ASSERT(it != by_pos.end());
-        const cell_score & cs = it->second;
+        const auto it = old_cell.find(cells.pos_get(i));
+        GGML_ASSERT(it != old_cell.end());
+        moves.emplace_back(i, it->second);
+    }
+    // every score slot of a cell moves (the layer's and, when a portable prefill scores heads too, each KV head's):
+    // slot s of cell i is at s*capacity + i
+    const size_t n_slots = grp.n_slots();
+    const size_t cap     = grp.capacity;
+    std::vector<float> old;
+    auto move_scores = [&](std::vector<float> & v) {
+        old = v;
+        std::fill(v.begin(), v.end(), 0.0f);
         for (size_t sl = 0; sl < n_slots; ++sl) {
-            const size_t u = sl * cap + i;
-            grp.acc[u]   = cs.acc[sl];
-            grp.last[u]  = cs.last[sl];
-            grp.knorm[u] = cs.knorm[sl];
-            grp.zmax[u]  = cs.zmax[sl];
-            grp.ea[u]    = cs.ea[sl];
-            for (size_t k = 0; k < grp.ring.size(); ++k) {
-                grp.ring[k][u] = cs.ring[sl * grp.ring.size() + k];
+            for (const auto & [dst, src] : moves) {
+                v[sl * cap + dst] = old[sl * cap + src];
             }
         }
+    };
+    move_scores(grp.acc);
+    move_scores(grp.last);
+    move_scores(grp.knorm);
+    move_scores(grp.zmax);
+    move_scores(grp.ea);
+    for (auto & row : grp.ring) {
+        move_scores(row);
     }
     grp.ring_changed();
 }
