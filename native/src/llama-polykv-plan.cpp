@@ -570,14 +570,16 @@ bool llama_polykv_plan_resolve(llama_polykv_plan & plan, int32_t kv_budget, uint
         // as Plan.scaled: every budget positive, the sinks within it, windows that no longer fit shrunk to what is left
         for (size_t i = 0; i < budgeted.size(); ++i) {
             auto & pp = plan.layers[budgeted[i]][p];
-            const std::string where = "layer " + std::to_string(budgeted[i]) + (p == LLAMA_POLYKV_PHASE_PREFILL ? " prefill" : " decode");
+            auto where = [&]() {
+                return "layer " + std::to_string(budgeted[i]) + (p == LLAMA_POLYKV_PHASE_PREFILL ? " prefill" : " decode");
+            };
             if (budgets[i] < 1) {
-                err = where + ": a KV budget of " + std::to_string(avg) + " tokens per layer leaves it " +
+                err = where() + ": a KV budget of " + std::to_string(avg) + " tokens per layer leaves it " +
                       std::to_string(budgets[i]) + " tokens; a budget must be positive";
                 return false;
             }
             if (pp.n_sink > budgets[i]) {
-                err = where + ": n_sink " + std::to_string(pp.n_sink) + " does not fit the scaled budget " + std::to_string(budgets[i]);
+                err = where() + ": n_sink " + std::to_string(pp.n_sink) + " does not fit the scaled budget " + std::to_string(budgets[i]);
                 return false;
             }
             pp.budget = (int32_t) budgets[i];
