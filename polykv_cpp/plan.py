@@ -1006,6 +1006,9 @@ class Plan:
             for i, b in zip(budgeted, budgets):
                 pp = new_layers[i].phase(ph)
                 pp.budget, pp.share = b, None
+                if b < 1:
+                    raise PlanError(f"layer {i} {ph}: a KV budget of {kv_budget} tokens per layer leaves it {b} tokens; "
+                                    f"a budget must be positive")
                 if pp.n_sink > b:
                     raise PlanError(f"layer {i} {ph}: n_sink {pp.n_sink} does not fit the scaled budget {b}")
                 room = b - pp.n_sink

@@ -387,6 +387,23 @@ def test_kv_budget_below_the_sinks_is_refused_like_python(tiny_gguf):
             model.context(n_ctx=256)
 
 
+def test_kv_budget_that_leaves_a_layer_no_token_is_refused_like_native(tiny_gguf):
+    """Found by a review of docs/plan-format.md (session 60): with b_min 0 a rescaled budget can round a layer to 0
+    tokens; the native rescaling refused it, Plan.scaled returned the plan with a budget of 0."""
+    plan = plan_mod.Plan.from_dict({
+        "version": 1, "n_layer": 2, "budget_avg": 64, "b_min": 0, "budget_rule": "test", "exact_total": True,
+        "layers": [{"layer": i, "prefill": {"pattern": "h2o", "budget": b}, "decode": {"pattern": "h2o", "budget": b}}
+                   for i, b in enumerate((1, 127))]})
+    assert plan.scaled(96).token_budgets("prefill") == [2, 190]
+    message = "layer 0 prefill: a KV budget of 1 tokens per layer leaves it 0 tokens; a budget must be positive"
+    with pytest.raises(PlanError, match=message):
+        plan.scaled(1)
+    with Model(tiny_gguf) as model:
+        model.set_plan(plan, kv_budget=1)
+        with pytest.raises(NativeError, match=message):
+            model.context(n_ctx=256)
+
+
 def test_a_share_that_resolves_to_no_token_is_refused_by_both_parsers(tiny_gguf):
     """Found by reading the code (session 59): with b_min 0 a share of 0 resolves to a budget of 0 tokens; Python
     refused it, the native parser accepted it (and a per-prompt split then divided by that budget)."""
