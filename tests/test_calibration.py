@@ -460,8 +460,8 @@ def test_data_sources(tmp_path):
     assert d.samples[0][0] == ord("y")
     with pytest.raises(CalibrationError, match="only 0 samples"):
         load_calibration_data(str(tmp_path / "a.txt"), enc, ctx=1000, n_samples=1, seed=0)
-    with pytest.raises(CalibrationError):
-        load_calibration_data(str(tmp_path / "b.jsonl"), enc, ctx=100, n_samples=1, seed=0)   # no 'text'
+    with pytest.raises(CalibrationError, match="record without a 'text' field"):
+        load_calibration_data(str(tmp_path / "b.jsonl"), enc, ctx=100, n_samples=1, seed=0)
     with pytest.raises(CalibrationError, match="not found"):
         iter_texts(str(tmp_path / "missing.jsonl"), seed=0)
     if stdlib_files():

@@ -683,7 +683,11 @@ def test_shipped_plans_validate_for_the_model_they_name(path):
     assert plan.n_layer == SHIPPED_PLAN_LAYERS[model]
     assert [lp.layer for lp in plan.layers] == list(range(plan.n_layer))
     half = plan.scaled(max(plan.budget_avg // 2, plan.b_min))
-    assert half.n_layer == plan.n_layer and half.budget_avg == max(plan.budget_avg // 2, plan.b_min)
+    half.validate(SHIPPED_PLAN_LAYERS[model])
+    assert half.budget_avg == max(plan.budget_avg // 2, plan.b_min)
+    for ph in ("prefill", "decode"):
+        budgets = [b for b in half.token_budgets(ph) if b is not None]
+        assert all(b >= 1 for b in budgets)
 
 
 def test_a_lower_floor_keeps_the_budgets_and_their_proportions_below_the_old_floor():
