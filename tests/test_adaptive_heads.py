@@ -187,9 +187,14 @@ def test_adaptive_state_roundtrip(twin, tokens):
             after_b = ([ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)], ctx.logits())
     assert after_a[0] == after_b[0]
     np.testing.assert_allclose(after_a[1], after_b[1], atol=1e-3)
-    # the heads shared the layer's slots (flash attention on): a context without pooled slots refuses the state
+    # the heads shared the layer's slots (flash attention on): a context without pooled slots refuses the state,
+    # a per-head plan by PolyKV's check, flash attention off already by llama.cpp's (V is stored transposed there)
     with Model(path) as model:
+        model.set_plan(head_plan(1, "snapkv", selection="head"))
+        with model.context(n_ctx=256) as ctx:
+            with pytest.raises(NativeError, match="holds adaptive heads in pooled slots, which this context does not"):
+                ctx.load_state_bytes(state)
         model.set_plan(head_plan(1, "snapkv", selection="adaptive"))
         with model.context(n_ctx=256, flash_attn="off") as ctx:
-            with pytest.raises(NativeError):
+            with pytest.raises(NativeError, match="incompatible V transposition"):
                 ctx.load_state_bytes(state)

@@ -169,7 +169,7 @@ def test_per_head_state_roundtrip(twin, tokens):
             after_b = ([ctx.kept_positions(1, h) for h in range(CFG.n_head_kv)], ctx.logits())
         model.set_plan(head_plan(1, "h2o", selection="layer"))
         with model.context(n_ctx=256) as ctx:
-            with pytest.raises(NativeError):
+            with pytest.raises(NativeError, match="selects per head where this plan selects per layer"):
                 ctx.load_state_bytes(state)
     assert after_a[0] == after_b[0]
     np.testing.assert_allclose(after_a[1], after_b[1], atol=1e-3)
